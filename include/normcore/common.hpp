@@ -1,0 +1,63 @@
+// normcore: types shared by every layer: saved statistics and gradients.
+#pragma once
+
+#include <unsupported/Eigen/CXX11/Tensor>
+
+#include "normcore/detail/tensor.hpp"
+
+namespace normcore {
+
+/// Per-row statistics saved by a forward pass for the backward pass, as
+/// PyTorch's native_layer_norm returns them: mean and 1/sqrt(var + eps), one
+/// entry per normalized row (BatchNorm: per channel). RMSNorm fills only rstd.
+/// The forward resizes them when their size differs, so reusing one object
+/// across calls allocates once.
+template <typename T>
+struct NormStats {
+  Eigen::Tensor<T, 1> mean;
+  Eigen::Tensor<T, 1> rstd;
+};
+
+/// All gradients of a layer, as returned by the allocating backward. A
+/// gradient the layer does not have (no weight, no bias) is left empty.
+template <typename T, int Rank, int Layout>
+struct Gradients {
+  Eigen::Tensor<T, Rank, Layout> dx;
+  Eigen::Tensor<T, 1> dweight;
+  Eigen::Tensor<T, 1> dbias;
+};
+
+namespace detail {
+
+template <typename T>
+void resize_vector(Eigen::Tensor<T, 1>& v, Index n) {
+  if (v.dimension(0) != n) v.resize(n);
+}
+
+template <typename T>
+void check_stats(const char* who, const Eigen::Tensor<T, 1>& v, const char* what, Index n) {
+  if (v.dimension(0) != n) {
+    fail(std::string(who) + ": expected saved " + what + " of shape [" + std::to_string(n) +
+         "], got [" + std::to_string(v.dimension(0)) + "]");
+  }
+}
+
+/// Makes the output tensor of a functor forward: same dims and layout as x.
+template <typename X>
+auto make_like(const X& x) {
+  using Tr = tensor_traits<X>;
+  Eigen::Tensor<typename Tr::Scalar, Tr::rank, Tr::layout> y;
+  y.resize(x.dimensions());
+  return y;
+}
+
+template <typename X, typename Y>
+constexpr void check_layouts() {
+  static_assert(tensor_traits<X>::layout == tensor_traits<Y>::layout,
+                "normcore: input and output tensors must have the same layout");
+  static_assert(tensor_traits<X>::rank == tensor_traits<Y>::rank,
+                "normcore: input and output tensors must have the same rank");
+}
+
+}  // namespace detail
+}  // namespace normcore

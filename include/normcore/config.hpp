@@ -1,0 +1,81 @@
+// normcore: configuration, version and error reporting.
+//
+// Errors: every invalid argument (a shape mismatch, a bad option, BatchNorm
+// training on one value per channel) goes through detail::fail(). With C++
+// exceptions enabled it throws std::invalid_argument. Built with
+// -fno-exceptions it calls the handler installed with set_error_handler()
+// (default: print the message to stderr and abort); the handler must not
+// return, and if it does, normcore aborts.
+#pragma once
+
+#include <cstdio>
+#include <cstdlib>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#if defined(__cpp_exceptions) || defined(__EXCEPTIONS) || defined(_CPPUNWIND)
+#define NORMCORE_HAS_EXCEPTIONS 1
+#include <stdexcept>
+#else
+#define NORMCORE_HAS_EXCEPTIONS 0
+#endif
+
+#define NORMCORE_VERSION_MAJOR 0
+#define NORMCORE_VERSION_MINOR 1
+#define NORMCORE_VERSION_PATCH 0
+
+namespace normcore {
+
+/// Called with the message of an invalid-argument error when exceptions are
+/// disabled. Must not return.
+using error_handler = void (*)(const char* message);
+
+namespace detail {
+
+inline void default_error_handler(const char* message) {
+  std::fprintf(stderr, "normcore: %s\n", message);
+  std::abort();
+}
+
+inline error_handler& current_error_handler() {
+  static error_handler handler = &default_error_handler;
+  return handler;
+}
+
+/// Reports an invalid argument: throws std::invalid_argument, or (without
+/// exceptions) calls the installed handler and aborts if it returns.
+[[noreturn]] inline void fail(const std::string& message) {
+#if NORMCORE_HAS_EXCEPTIONS
+  throw std::invalid_argument(message);
+#else
+  current_error_handler()(message.c_str());
+  std::abort();
+#endif
+}
+
+template <typename Dims>
+std::string shape_string(const Dims& dims) {
+  std::ostringstream os;
+  os << '[';
+  bool first = true;
+  for (auto d : dims) {
+    if (!first) os << ", ";
+    os << d;
+    first = false;
+  }
+  os << ']';
+  return os.str();
+}
+
+}  // namespace detail
+
+/// Installs the handler used for errors when normcore is compiled without
+/// exceptions; returns the previous one. Not thread-safe: call it at start-up.
+inline error_handler set_error_handler(error_handler handler) {
+  error_handler old = detail::current_error_handler();
+  detail::current_error_handler() = handler ? handler : &detail::default_error_handler;
+  return old;
+}
+
+}  // namespace normcore

@@ -1,0 +1,96 @@
+// normcore::detail: from statistics to the per-row (or per-channel)
+// normalization coefficients, and the vector loops that apply them.
+#pragma once
+
+#include <cmath>
+#include <limits>
+
+#include "normcore/statistics.hpp"
+
+namespace normcore {
+namespace detail {
+
+/// y = (x - pivot) * scale - shift, then optionally * gamma + beta.
+///
+/// pivot is mean rounded to T when |mean| exceeds one standard deviation
+/// (then x - pivot is exact or nearly so, and shift = (mean - pivot) * rstd is
+/// tiny), and 0 otherwise (then shift = mean * rstd is small and the fused
+/// multiply-add rounds once). Either way the rounded mean never multiplies
+/// rstd, which is what limits the usual (x - mean) * rstd at large offsets.
+/// A constant row has pivot = its value exactly, so y = 0 and the affine
+/// result is exactly beta.
+template <typename T>
+struct NormCoeffs {
+  T mean;   // mean rounded to T (what is saved for the backward)
+  T rstd;   // 1 / sqrt(var + eps) rounded to T
+  T pivot;
+  T shift;
+};
+
+template <typename T>
+NormCoeffs<T> norm_coeffs(double mean, double var, double eps) {
+  NormCoeffs<T> c;
+  const double r = 1.0 / std::sqrt(var + eps);
+  c.mean = static_cast<T>(mean);
+  c.rstd = static_cast<T>(r);
+  const bool shifted = !(std::fabs(mean) * r <= 1.0) || var == 0.0;
+  c.pivot = shifted ? c.mean : T(0);
+  c.shift = static_cast<T>((mean - static_cast<double>(c.pivot)) * static_cast<double>(c.rstd));
+  return c;
+}
+
+/// Normalizes n contiguous values; gamma/beta per element (either may be null).
+template <typename T>
+void normalize_span(const T* x, T* y, Index n, const NormCoeffs<T>& k, const T* gamma,
+                    const T* beta) {
+  using namespace Eigen::internal;
+  using Packet = typename simd<T>::Packet;
+  constexpr int L = simd<T>::L;
+  const Packet pp = pset1<Packet>(k.pivot);
+  const Packet pr = pset1<Packet>(k.rstd);
+  const Packet pc = pset1<Packet>(-k.shift);
+  Index j = 0;
+  if (gamma && beta) {
+    for (; j + L <= n; j += L) {
+      const Packet v = pmadd(psub(ploadu<Packet>(x + j), pp), pr, pc);
+      pstoreu(y + j, pmadd(v, ploadu<Packet>(gamma + j), ploadu<Packet>(beta + j)));
+    }
+  } else if (gamma) {
+    for (; j + L <= n; j += L) {
+      const Packet v = pmadd(psub(ploadu<Packet>(x + j), pp), pr, pc);
+      pstoreu(y + j, pmul(v, ploadu<Packet>(gamma + j)));
+    }
+  } else {
+    for (; j + L <= n; j += L) {
+      pstoreu(y + j, pmadd(psub(ploadu<Packet>(x + j), pp), pr, pc));
+    }
+  }
+  for (; j < n; ++j) {
+    T v = madd(x[j] - k.pivot, k.rstd, -k.shift);
+    if (gamma) v = beta ? madd(v, gamma[j], beta[j]) : v * gamma[j];
+    y[j] = v;
+  }
+}
+
+/// Normalizes n contiguous values with scalar gamma and beta (BatchNorm NCHW).
+template <typename T>
+void normalize_span_scalar_affine(const T* x, T* y, Index n, const NormCoeffs<T>& k, T gamma,
+                                  T beta) {
+  using namespace Eigen::internal;
+  using Packet = typename simd<T>::Packet;
+  constexpr int L = simd<T>::L;
+  const Packet pp = pset1<Packet>(k.pivot);
+  const Packet pr = pset1<Packet>(k.rstd);
+  const Packet pc = pset1<Packet>(-k.shift);
+  const Packet pg = pset1<Packet>(gamma);
+  const Packet pb = pset1<Packet>(beta);
+  Index j = 0;
+  for (; j + L <= n; j += L) {
+    const Packet v = pmadd(psub(ploadu<Packet>(x + j), pp), pr, pc);
+    pstoreu(y + j, pmadd(v, pg, pb));
+  }
+  for (; j < n; ++j) y[j] = madd(madd(x[j] - k.pivot, k.rstd, -k.shift), gamma, beta);
+}
+
+}  // namespace detail
+}  // namespace normcore

@@ -1,0 +1,127 @@
+// normcore::detail: what normcore needs to know about an Eigen tensor argument,
+// and the split of its logical dims into (rows, normalized size).
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include <unsupported/Eigen/CXX11/Tensor>
+
+#include "normcore/config.hpp"
+
+namespace normcore {
+
+using Index = Eigen::Index;
+
+namespace detail {
+
+template <typename X>
+struct is_tensor_like : std::false_type {};
+template <typename S, int R, int O, typename I>
+struct is_tensor_like<Eigen::Tensor<S, R, O, I>> : std::true_type {};
+template <typename P, int O, template <class> class MP>
+struct is_tensor_like<Eigen::TensorMap<P, O, MP>> : std::true_type {};
+
+/// Scalar type, rank, layout and writability of a Tensor or TensorMap.
+template <typename X>
+struct tensor_traits {
+  using Plain = std::remove_cv_t<std::remove_reference_t<X>>;
+  static_assert(is_tensor_like<Plain>::value,
+                "normcore accepts Eigen::Tensor and Eigen::TensorMap arguments "
+                "(evaluate an expression into a Tensor first)");
+  using EigenTraits = Eigen::internal::traits<Plain>;
+  using RawScalar = std::remove_reference_t<decltype(*std::declval<Plain&>().data())>;
+  using Scalar = std::remove_const_t<RawScalar>;
+  static constexpr int rank = EigenTraits::NumDimensions;
+  static constexpr int layout = EigenTraits::Layout;
+  static constexpr bool writable = !std::is_const<RawScalar>::value;
+};
+
+template <typename X>
+std::vector<Index> dims_of(const X& x) {
+  std::vector<Index> d(tensor_traits<X>::rank);
+  for (int i = 0; i < tensor_traits<X>::rank; ++i) d[i] = x.dimension(i);
+  return d;
+}
+
+inline Index product(const std::vector<Index>& v, std::size_t from, std::size_t to) {
+  Index p = 1;
+  for (std::size_t i = from; i < to; ++i) p *= v[i];
+  return p;
+}
+
+/// A rows x cols matrix in memory: RowMajor means element (r, j) at
+/// data[r * cols + j]; ColMajor means data[j * rows + r].
+template <typename T>
+struct Matrix2D {
+  T* data = nullptr;
+  Index rows = 0;
+  Index cols = 0;
+  bool row_major = true;
+};
+
+/// Checks that the scalar type of X is T, at compile time.
+template <typename T, typename X>
+constexpr void check_scalar() {
+  static_assert(std::is_same<typename tensor_traits<X>::Scalar, T>::value,
+                "normcore: the tensor's scalar type must match the layer's T");
+}
+
+/// Checks that x's trailing dims equal `normalized` and returns the view
+/// rows = product of the leading dims, cols = product of the trailing dims.
+template <typename T, typename X>
+Matrix2D<T> split_view(const char* who, const char* what, X& x,
+                       const std::vector<Index>& normalized) {
+  using Tr = tensor_traits<X>;
+  const std::vector<Index> dims = dims_of(x);
+  const std::size_t k = normalized.size();
+  bool ok = dims.size() >= k;
+  for (std::size_t i = 0; ok && i < k; ++i) ok = dims[dims.size() - k + i] == normalized[i];
+  if (!ok) {
+    fail(std::string(who) + ": expected " + what + " whose trailing dims are " +
+         shape_string(normalized) + ", got " + what + " of shape " + shape_string(dims));
+  }
+  Matrix2D<T> v;
+  v.data = const_cast<T*>(x.data());
+  v.rows = product(dims, 0, dims.size() - k);
+  v.cols = product(dims, dims.size() - k, dims.size());
+  v.row_major = Tr::layout == Eigen::RowMajor;
+  return v;
+}
+
+/// Checks that two tensors have the same dims; names both in the error.
+template <typename A, typename B>
+void check_same_shape(const char* who, const char* what, const A& expected_like, const B& got) {
+  const auto e = dims_of(expected_like);
+  const auto g = dims_of(got);
+  if (e != g) {
+    fail(std::string(who) + ": expected " + what + " of shape " + shape_string(e) + ", got " +
+         shape_string(g));
+  }
+}
+
+/// The permutation from the memory order of a ColMajor normalized block to
+/// PyTorch's (row-major) flattening of normalized_shape: perm[col_index] =
+/// row_major_index. Identity for a single normalized dim.
+inline std::vector<Index> colmajor_to_rowmajor(const std::vector<Index>& shape) {
+  const Index n = product(shape, 0, shape.size());
+  std::vector<Index> perm(static_cast<std::size_t>(n));
+  const std::size_t k = shape.size();
+  std::vector<Index> idx(k, 0);
+  for (Index c = 0; c < n; ++c) {
+    Index r = 0;
+    for (std::size_t t = 0; t < k; ++t) r = r * shape[t] + idx[t];
+    perm[static_cast<std::size_t>(c)] = r;
+    for (std::size_t t = 0; t < k; ++t) {  // ColMajor: first index fastest
+      if (++idx[t] < shape[t]) break;
+      idx[t] = 0;
+    }
+  }
+  return perm;
+}
+
+}  // namespace detail
+}  // namespace normcore

@@ -1,0 +1,546 @@
+// normcore::LayerNorm: PyTorch's nn.LayerNorm over Eigen tensors.
+//
+//   normcore::LayerNorm<float> ln(normcore::LayerNormOptions({768}).eps(1e-6));
+//   Eigen::Tensor<float, 2, Eigen::RowMajor> y = ln(x);         // allocating
+//   ln.forward(x, y, stats);                                     // into y, saves mean/rstd
+//   ln.backward(x, dy, &dx, &dweight, &dbias, &stats);           // any subset
+#pragma once
+
+#include <cmath>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "normcore/common.hpp"
+#include "normcore/detail/normalize.hpp"
+#include "normcore/statistics.hpp"
+
+namespace normcore {
+
+/// Options of LayerNorm, named as in the libtorch C++ frontend: each setter
+/// returns *this, each getter has the same name without an argument.
+class LayerNormOptions {
+ public:
+  /* implicit */ LayerNormOptions(std::vector<Index> normalized_shape)
+      : normalized_shape_(std::move(normalized_shape)) {}
+
+  LayerNormOptions& normalized_shape(std::vector<Index> v) {
+    normalized_shape_ = std::move(v);
+    return *this;
+  }
+  const std::vector<Index>& normalized_shape() const { return normalized_shape_; }
+  /// Added to the variance before the square root. Default 1e-5.
+  LayerNormOptions& eps(double v) {
+    eps_ = v;
+    return *this;
+  }
+  double eps() const { return eps_; }
+  /// Learnable weight (and bias, unless bias(false)). Default true.
+  LayerNormOptions& elementwise_affine(bool v) {
+    elementwise_affine_ = v;
+    return *this;
+  }
+  bool elementwise_affine() const { return elementwise_affine_; }
+  /// Learnable bias when elementwise_affine. Default true.
+  LayerNormOptions& bias(bool v) {
+    bias_ = v;
+    return *this;
+  }
+  bool bias() const { return bias_; }
+
+ private:
+  std::vector<Index> normalized_shape_;
+  double eps_ = 1e-5;
+  bool elementwise_affine_ = true;
+  bool bias_ = true;
+};
+
+namespace detail {
+
+inline Index checked_normalized_size(const char* who, const std::vector<Index>& shape, double eps) {
+  if (shape.empty()) fail(std::string(who) + ": expected a non-empty normalized_shape, got []");
+  for (Index d : shape) {
+    if (d <= 0) {
+      fail(std::string(who) + ": expected positive normalized_shape dims, got " +
+           shape_string(shape));
+    }
+  }
+  if (!(eps >= 0.0) || !std::isfinite(eps)) {
+    fail(std::string(who) + ": expected eps >= 0 and finite, got " + std::to_string(eps));
+  }
+  return product(shape, 0, shape.size());
+}
+
+/// Parameters as the kernels need them: in memory order of the normalized
+/// block (permuted for ColMajor inputs with several normalized dims).
+template <typename T>
+struct ParamView {
+  const T* gamma = nullptr;
+  const T* beta = nullptr;
+  std::vector<T> storage;
+};
+
+template <typename T>
+ParamView<T> param_view(bool colmajor, const std::vector<Index>& shape, const T* gamma,
+                        const T* beta, Index n) {
+  ParamView<T> p;
+  if (!colmajor || shape.size() == 1 || (!gamma && !beta)) {
+    p.gamma = gamma;
+    p.beta = beta;
+    return p;
+  }
+  const std::vector<Index> perm = colmajor_to_rowmajor(shape);
+  p.storage.resize(static_cast<std::size_t>(2 * n));
+  for (Index c = 0; c < n; ++c) {
+    if (gamma) p.storage[static_cast<std::size_t>(c)] = gamma[perm[static_cast<std::size_t>(c)]];
+    if (beta) p.storage[static_cast<std::size_t>(n + c)] = beta[perm[static_cast<std::size_t>(c)]];
+  }
+  p.gamma = gamma ? p.storage.data() : nullptr;
+  p.beta = beta ? p.storage.data() + n : nullptr;
+  return p;
+}
+
+}  // namespace detail
+
+/// Layer normalization over the trailing dims given by normalized_shape:
+/// y = (x - mean) / sqrt(var + eps) * weight + bias, with the biased variance
+/// of each row. T is float or double.
+template <typename T>
+class LayerNorm {
+  static_assert(std::is_same<T, float>::value || std::is_same<T, double>::value,
+                "normcore::LayerNorm<T>: T must be float or double");
+
+ public:
+  using Scalar = T;
+
+  explicit LayerNorm(LayerNormOptions options)
+      : options_(std::move(options)),
+        size_(detail::checked_normalized_size("normcore::LayerNorm", options_.normalized_shape(),
+                                              options_.eps())) {
+    if (options_.elementwise_affine()) {
+      weight_.resize(size_);
+      weight_.setConstant(T(1));
+      if (options_.bias()) {
+        bias_.resize(size_);
+        bias_.setZero();
+      }
+    }
+  }
+
+  const LayerNormOptions& options() const { return options_; }
+  /// Product of normalized_shape: the length of one normalized row.
+  Index normalized_size() const { return size_; }
+  /// Weight (gamma), flattened in row-major order of normalized_shape (as
+  /// PyTorch's weight.flatten()); empty without elementwise_affine.
+  Eigen::Tensor<T, 1>& weight() { return weight_; }
+  const Eigen::Tensor<T, 1>& weight() const { return weight_; }
+  /// Bias (beta), flattened like weight; empty without it.
+  Eigen::Tensor<T, 1>& bias() { return bias_; }
+  const Eigen::Tensor<T, 1>& bias() const { return bias_; }
+
+  /// Allocating forward: returns a tensor with x's dims and layout.
+  template <typename X>
+  auto operator()(const X& x) const {
+    auto y = detail::make_like(x);
+    forward(x, y);
+    return y;
+  }
+
+  /// Non-allocating forward into y (a Tensor or TensorMap of x's dims).
+  template <typename X, typename Y>
+  void forward(const X& x, Y&& y) const {
+    forward_impl(x, y, nullptr);
+  }
+
+  /// Forward that also saves the per-row mean and rstd for backward.
+  template <typename X, typename Y>
+  void forward(const X& x, Y&& y, NormStats<T>& saved) const {
+    forward_impl(x, y, &saved);
+  }
+
+  /// Backward: computes any subset of dx, dweight, dbias (pass nullptr for
+  /// the ones not wanted) from x, dy and the statistics saved by forward; with
+  /// saved == nullptr they are recomputed from x. dx has x's dims and layout;
+  /// dweight and dbias are resized to normalized_size() if needed.
+  template <typename X, typename DY, typename DX>
+  void backward(const X& x, const DY& dy, DX* dx, Eigen::Tensor<T, 1>* dweight,
+                Eigen::Tensor<T, 1>* dbias, const NormStats<T>* saved = nullptr) const {
+    detail::check_scalar<T, DX>();
+    detail::check_layouts<X, DX>();
+    static_assert(detail::tensor_traits<DX>::writable, "normcore: dx must be writable");
+    detail::Matrix2D<T> dxv;
+    if (dx) {
+      detail::check_same_shape(kWho, "dx", x, *dx);
+      dxv = detail::split_view<T>(kWho, "dx", *dx, options_.normalized_shape());
+    }
+    backward_impl(x, dy, dx ? &dxv : nullptr, dweight, dbias, saved);
+  }
+
+  template <typename X, typename DY>
+  void backward(const X& x, const DY& dy, std::nullptr_t, Eigen::Tensor<T, 1>* dweight,
+                Eigen::Tensor<T, 1>* dbias, const NormStats<T>* saved = nullptr) const {
+    backward_impl(x, dy, nullptr, dweight, dbias, saved);
+  }
+
+  /// Allocating backward: every gradient the layer has.
+  template <typename X, typename DY>
+  auto backward(const X& x, const DY& dy, const NormStats<T>* saved = nullptr) const {
+    using Tr = detail::tensor_traits<X>;
+    Gradients<T, Tr::rank, Tr::layout> g;
+    g.dx = detail::make_like(x);
+    backward(x, dy, &g.dx, weight_.size() ? &g.dweight : nullptr,
+             bias_.size() ? &g.dbias : nullptr, saved);
+    return g;
+  }
+
+ private:
+  static constexpr const char* kWho = "normcore::LayerNorm";
+
+  const T* gamma() const { return weight_.size() ? weight_.data() : nullptr; }
+  const T* beta() const { return bias_.size() ? bias_.data() : nullptr; }
+
+  template <typename X, typename Y>
+  void forward_impl(const X& x, Y& y, NormStats<T>* saved) const {
+    detail::check_scalar<T, X>();
+    detail::check_scalar<T, Y>();
+    detail::check_layouts<X, Y>();
+    static_assert(detail::tensor_traits<Y>::writable, "normcore: the output must be writable");
+    const auto xv = detail::split_view<T>(kWho, "input", x, options_.normalized_shape());
+    detail::check_same_shape(kWho, "output", x, y);
+    T* out = y.data();
+    T* mean = nullptr;
+    T* rstd = nullptr;
+    if (saved) {
+      detail::resize_vector(saved->mean, xv.rows);
+      detail::resize_vector(saved->rstd, xv.rows);
+      mean = saved->mean.data();
+      rstd = saved->rstd.data();
+    }
+    if (xv.rows == 0) return;
+    const double eps = options_.eps();
+    const Index n = xv.cols;
+    if (xv.row_major) {
+      for (Index r = 0; r < xv.rows; ++r) {
+        const T* xr = xv.data + r * n;
+        const Welford<double> w = row_moments(xr, n);
+        const auto k = detail::norm_coeffs<T>(w.mean(), w.variance(), eps);
+        if (saved) {
+          mean[r] = k.mean;
+          rstd[r] = k.rstd;
+        }
+        detail::normalize_span(xr, out + r * n, n, k, gamma(), beta());
+      }
+      return;
+    }
+    forward_colmajor(xv, out, mean, rstd);
+  }
+
+  // ColMajor: element (r, j) at data[j * rows + r]; rows are SIMD lanes.
+  void forward_colmajor(const detail::Matrix2D<T>& xv, T* out, T* mean, T* rstd) const {
+    using namespace Eigen::internal;
+    using Packet = typename detail::simd<T>::Packet;
+    constexpr int L = detail::simd<T>::L;
+    const Index rows = xv.rows, n = xv.cols;
+    const auto pv = detail::param_view(true, options_.normalized_shape(), gamma(), beta(), n);
+    std::vector<Welford<double>> w(static_cast<std::size_t>(rows));
+    lane_moments(xv.data, rows, n, rows, xv.data, w.data());  // pivot: first feature
+    std::vector<T> coef(static_cast<std::size_t>(3 * rows));
+    T* piv = coef.data();
+    T* rs = piv + rows;
+    T* sh = rs + rows;
+    for (Index r = 0; r < rows; ++r) {
+      const double m = static_cast<double>(xv.data[r]) + w[static_cast<std::size_t>(r)].mean();
+      const auto k = detail::norm_coeffs<T>(m, w[static_cast<std::size_t>(r)].variance(),
+                                            options_.eps());
+      piv[r] = k.pivot;
+      rs[r] = k.rstd;
+      sh[r] = -k.shift;
+      if (mean) {
+        mean[r] = k.mean;
+        rstd[r] = k.rstd;
+      }
+    }
+    Index r0 = 0;
+    for (; r0 + L <= rows; r0 += L) {
+      const Packet pp = ploadu<Packet>(piv + r0), pr = ploadu<Packet>(rs + r0),
+                   pc = ploadu<Packet>(sh + r0);
+      for (Index j = 0; j < n; ++j) {
+        Packet v = pmadd(psub(ploadu<Packet>(xv.data + j * rows + r0), pp), pr, pc);
+        if (pv.gamma) {
+          v = pv.beta ? pmadd(v, pset1<Packet>(pv.gamma[j]), pset1<Packet>(pv.beta[j]))
+                      : pmul(v, pset1<Packet>(pv.gamma[j]));
+        }
+        pstoreu(out + j * rows + r0, v);
+      }
+    }
+    for (; r0 < rows; ++r0) {
+      for (Index j = 0; j < n; ++j) {
+        T v = detail::madd(xv.data[j * rows + r0] - piv[r0], rs[r0], sh[r0]);
+        if (pv.gamma) v = pv.beta ? detail::madd(v, pv.gamma[j], pv.beta[j]) : v * pv.gamma[j];
+        out[j * rows + r0] = v;
+      }
+    }
+  }
+
+  template <typename X, typename DY>
+  void backward_impl(const X& x, const DY& dy, const detail::Matrix2D<T>* dxv,
+                     Eigen::Tensor<T, 1>* dweight, Eigen::Tensor<T, 1>* dbias,
+                     const NormStats<T>* saved) const {
+    detail::check_scalar<T, X>();
+    detail::check_scalar<T, DY>();
+    detail::check_layouts<X, DY>();
+    const auto xv = detail::split_view<T>(kWho, "input", x, options_.normalized_shape());
+    detail::check_same_shape(kWho, "dy", x, dy);
+    if (dweight && !weight_.size()) {
+      detail::fail(std::string(kWho) + ": dweight requested but the layer has no weight "
+                                       "(elementwise_affine is false)");
+    }
+    if (dbias && !bias_.size()) {
+      detail::fail(std::string(kWho) + ": dbias requested but the layer has no bias");
+    }
+    if (saved) {
+      detail::check_stats(kWho, saved->mean, "mean", xv.rows);
+      detail::check_stats(kWho, saved->rstd, "rstd", xv.rows);
+    }
+    const Index n = xv.cols, rows = xv.rows;
+    // Statistics: saved, or recomputed exactly as forward computes them.
+    std::vector<T> stat;
+    const T* mean;
+    const T* rstd;
+    if (saved) {
+      mean = saved->mean.data();
+      rstd = saved->rstd.data();
+    } else {
+      stat.resize(static_cast<std::size_t>(2 * rows));
+      NormStats<T> tmp;
+      for (Index r = 0; r < rows; ++r) {
+        Welford<double> w;
+        if (xv.row_major) {
+          w = row_moments(xv.data + r * n, n);
+        } else {
+          const T p = xv.data[r];
+          lane_moments(xv.data + r, rows, n, Index(1), &p, &w);
+          w = Welford<double>(w.count(), static_cast<double>(p) + w.mean(), w.m2());
+        }
+        const auto k = detail::norm_coeffs<T>(w.mean(), w.variance(), options_.eps());
+        stat[static_cast<std::size_t>(r)] = k.mean;
+        stat[static_cast<std::size_t>(rows + r)] = k.rstd;
+      }
+      mean = stat.data();
+      rstd = stat.data() + rows;
+    }
+    std::vector<double> dw_total(dweight ? static_cast<std::size_t>(n) : 0, 0.0);
+    std::vector<double> db_total(dbias ? static_cast<std::size_t>(n) : 0, 0.0);
+    const auto pv = detail::param_view(!xv.row_major, options_.normalized_shape(), gamma(),
+                                       static_cast<const T*>(nullptr), n);
+    const T* dyp = dy.data();
+    T* dxp = dxv ? dxv->data : nullptr;
+    if (xv.row_major) {
+      backward_rows(xv.data, dyp, dxp, rows, n, mean, rstd, pv.gamma, dweight ? dw_total.data() : nullptr,
+                    dbias ? db_total.data() : nullptr);
+    } else {
+      backward_colmajor(xv.data, dyp, dxp, rows, n, mean, rstd, pv.gamma,
+                        dweight ? dw_total.data() : nullptr, dbias ? db_total.data() : nullptr);
+    }
+    // Parameter gradients back to PyTorch's (row-major) flattening.
+    std::vector<Index> perm;
+    const bool permute = !xv.row_major && options_.normalized_shape().size() > 1;
+    if (permute) perm = detail::colmajor_to_rowmajor(options_.normalized_shape());
+    auto emit = [&](Eigen::Tensor<T, 1>* out, const std::vector<double>& tot) {
+      if (!out) return;
+      detail::resize_vector(*out, n);
+      for (Index c = 0; c < n; ++c) {
+        const Index dst = permute ? perm[static_cast<std::size_t>(c)] : c;
+        (*out)(dst) = static_cast<T>(tot[static_cast<std::size_t>(c)]);
+      }
+    };
+    emit(dweight, dw_total);
+    emit(dbias, db_total);
+  }
+
+  // Rows of n contiguous values. For each row, with d = x - mean_saved and
+  // g = dy * gamma, one pass sums g, g*d and d; delta = sum(d)/n corrects the
+  // saved (rounded) mean, so x_hat = (d - delta) * rstd is nearly exact even
+  // when the mean is large. Then
+  //   dx = rstd * (g - mean(g) - x_hat * mean(g * x_hat))
+  //      = fma(g, rstd, -fma(d, k3, k4))   (one rounding on the large term).
+  // Parameter gradients are summed in T over blocks of kRowBlock rows, then
+  // added in double, block by block in order.
+  static constexpr Index kRowBlock = 64;
+
+  static void backward_rows(const T* x, const T* dy, T* dx, Index rows, Index n, const T* mean,
+                            const T* rstd, const T* gamma, double* dw, double* db) {
+    using namespace Eigen::internal;
+    using Packet = typename detail::simd<T>::Packet;
+    constexpr int L = detail::simd<T>::L;
+    std::vector<T> accw(dw ? static_cast<std::size_t>(n) : 0), accb(db ? static_cast<std::size_t>(n) : 0);
+    for (Index r0 = 0; r0 < rows; r0 += kRowBlock) {
+      const Index r1 = std::min(rows, r0 + kRowBlock);
+      std::fill(accw.begin(), accw.end(), T(0));
+      std::fill(accb.begin(), accb.end(), T(0));
+      for (Index r = r0; r < r1; ++r) {
+        const T* xr = x + r * n;
+        const T* gr = dy + r * n;
+        const T p = mean[r];
+        const T rs = rstd[r];
+        const Packet pp = pset1<Packet>(p);
+        Packet sg0 = pset1<Packet>(T(0)), sgd0 = sg0, sd0 = sg0, sg1 = sg0, sgd1 = sg0, sd1 = sg0;
+        Index j = 0;
+        for (; j + 2 * L <= n; j += 2 * L) {
+          Packet g0 = ploadu<Packet>(gr + j), g1 = ploadu<Packet>(gr + j + L);
+          if (gamma) {
+            g0 = pmul(g0, ploadu<Packet>(gamma + j));
+            g1 = pmul(g1, ploadu<Packet>(gamma + j + L));
+          }
+          const Packet d0 = psub(ploadu<Packet>(xr + j), pp);
+          const Packet d1 = psub(ploadu<Packet>(xr + j + L), pp);
+          sg0 = padd(sg0, g0);
+          sg1 = padd(sg1, g1);
+          sgd0 = pmadd(g0, d0, sgd0);
+          sgd1 = pmadd(g1, d1, sgd1);
+          sd0 = padd(sd0, d0);
+          sd1 = padd(sd1, d1);
+        }
+        for (; j + L <= n; j += L) {
+          Packet g0 = ploadu<Packet>(gr + j);
+          if (gamma) g0 = pmul(g0, ploadu<Packet>(gamma + j));
+          const Packet d0 = psub(ploadu<Packet>(xr + j), pp);
+          sg0 = padd(sg0, g0);
+          sgd0 = pmadd(g0, d0, sgd0);
+          sd0 = padd(sd0, d0);
+        }
+        double sg = static_cast<double>(predux(padd(sg0, sg1)));
+        double sgd = static_cast<double>(predux(padd(sgd0, sgd1)));
+        double sd = static_cast<double>(predux(padd(sd0, sd1)));
+        for (; j < n; ++j) {
+          const double g = static_cast<double>(gamma ? gr[j] * gamma[j] : gr[j]);
+          const double d = static_cast<double>(xr[j] - p);
+          sg += g;
+          sgd += g * d;
+          sd += d;
+        }
+        const double inv_n = 1.0 / static_cast<double>(n);
+        const double rd = static_cast<double>(rs);
+        const double delta = sd * inv_n;
+        const double mean_g = sg * inv_n;
+        const double mean_gx = rd * (sgd - delta * sg) * inv_n;
+        const T k3 = static_cast<T>(rd * rd * mean_gx);
+        const T k4 = static_cast<T>(rd * mean_g - delta * rd * rd * mean_gx);
+        const T xs = static_cast<T>(-delta * rd);  // x_hat = fma(d, rstd, xs)
+        const Packet pr = pset1<Packet>(rs), p3 = pset1<Packet>(k3), p4 = pset1<Packet>(k4),
+                     pxs = pset1<Packet>(xs);
+        j = 0;
+        for (; j + L <= n; j += L) {
+          const Packet dyv = ploadu<Packet>(gr + j);
+          const Packet d = psub(ploadu<Packet>(xr + j), pp);
+          if (dx) {
+            const Packet g = gamma ? pmul(dyv, ploadu<Packet>(gamma + j)) : dyv;
+            pstoreu(dx + r * n + j, pmadd(g, pr, pnegate(pmadd(d, p3, p4))));
+          }
+          if (dw) {
+            const Packet xh = pmadd(d, pr, pxs);
+            pstoreu(accw.data() + j, pmadd(dyv, xh, ploadu<Packet>(accw.data() + j)));
+          }
+          if (db) pstoreu(accb.data() + j, padd(dyv, ploadu<Packet>(accb.data() + j)));
+        }
+        for (; j < n; ++j) {
+          const T d = xr[j] - p;
+          if (dx) {
+            const T g = gamma ? gr[j] * gamma[j] : gr[j];
+            dx[r * n + j] = detail::madd(g, rs, -detail::madd(d, k3, k4));
+          }
+          if (dw) accw[static_cast<std::size_t>(j)] = detail::madd(gr[j], detail::madd(d, rs, xs), accw[static_cast<std::size_t>(j)]);
+          if (db) accb[static_cast<std::size_t>(j)] += gr[j];
+        }
+      }
+      for (Index j = 0; dw && j < n; ++j) dw[j] += static_cast<double>(accw[static_cast<std::size_t>(j)]);
+      for (Index j = 0; db && j < n; ++j) db[j] += static_cast<double>(accb[static_cast<std::size_t>(j)]);
+    }
+  }
+
+  // ColMajor: element (r, j) at [j * rows + r]; the same arithmetic, with a
+  // packet of rows per step and scalar leftover rows.
+  static void backward_colmajor(const T* x, const T* dy, T* dx, Index rows, Index n,
+                                const T* mean, const T* rstd, const T* gamma, double* dw,
+                                double* db) {
+    using namespace Eigen::internal;
+    using Packet = typename detail::simd<T>::Packet;
+    constexpr int L = detail::simd<T>::L;
+    alignas(64) T buf[4][L];
+    Index r0 = 0;
+    for (; r0 + L <= rows; r0 += L) {
+      const Packet pp = ploadu<Packet>(mean + r0);
+      const Packet pr = ploadu<Packet>(rstd + r0);
+      Packet sg = pset1<Packet>(T(0)), sgd = sg, sd = sg;
+      for (Index j = 0; j < n; ++j) {
+        Packet g = ploadu<Packet>(dy + j * rows + r0);
+        if (gamma) g = pmul(g, pset1<Packet>(gamma[j]));
+        const Packet d = psub(ploadu<Packet>(x + j * rows + r0), pp);
+        sg = padd(sg, g);
+        sgd = pmadd(g, d, sgd);
+        sd = padd(sd, d);
+      }
+      pstoreu(buf[0], sg);
+      pstoreu(buf[1], sgd);
+      pstoreu(buf[2], sd);
+      alignas(64) T k3[L], k4[L], xs[L];
+      for (int l = 0; l < L; ++l) {
+        const double inv_n = 1.0 / static_cast<double>(n);
+        const double r = static_cast<double>(rstd[r0 + l]);
+        const double delta = static_cast<double>(buf[2][l]) * inv_n;
+        const double mean_g = static_cast<double>(buf[0][l]) * inv_n;
+        const double mean_gx =
+            r * (static_cast<double>(buf[1][l]) - delta * static_cast<double>(buf[0][l])) * inv_n;
+        k3[l] = static_cast<T>(r * r * mean_gx);
+        k4[l] = static_cast<T>(r * mean_g - delta * r * r * mean_gx);
+        xs[l] = static_cast<T>(-delta * r);
+      }
+      const Packet p3 = ploadu<Packet>(k3), p4 = ploadu<Packet>(k4), pxs = ploadu<Packet>(xs);
+      for (Index j = 0; j < n; ++j) {
+        const Packet dyv = ploadu<Packet>(dy + j * rows + r0);
+        const Packet d = psub(ploadu<Packet>(x + j * rows + r0), pp);
+        if (dx) {
+          const Packet g = gamma ? pmul(dyv, pset1<Packet>(gamma[j])) : dyv;
+          pstoreu(dx + j * rows + r0, pmadd(g, pr, pnegate(pmadd(d, p3, p4))));
+        }
+        if (dw) dw[j] += static_cast<double>(predux(pmul(dyv, pmadd(d, pr, pxs))));
+        if (db) db[j] += static_cast<double>(predux(dyv));
+      }
+    }
+    for (; r0 < rows; ++r0) {  // leftover rows: the packet arithmetic, one lane
+      const T p = mean[r0], rs = rstd[r0];
+      T sg = 0, sgd = 0, sd = 0;
+      for (Index j = 0; j < n; ++j) {
+        const T g = gamma ? dy[j * rows + r0] * gamma[j] : dy[j * rows + r0];
+        const T d = x[j * rows + r0] - p;
+        sg += g;
+        sgd = detail::madd(g, d, sgd);
+        sd += d;
+      }
+      const double inv_n = 1.0 / static_cast<double>(n);
+      const double r = static_cast<double>(rs);
+      const double delta = static_cast<double>(sd) * inv_n;
+      const double mean_g = static_cast<double>(sg) * inv_n;
+      const double mean_gx =
+          r * (static_cast<double>(sgd) - delta * static_cast<double>(sg)) * inv_n;
+      const T k3 = static_cast<T>(r * r * mean_gx);
+      const T k4 = static_cast<T>(r * mean_g - delta * r * r * mean_gx);
+      const T xs = static_cast<T>(-delta * r);
+      for (Index j = 0; j < n; ++j) {
+        const T dyv = dy[j * rows + r0];
+        const T d = x[j * rows + r0] - p;
+        if (dx) dx[j * rows + r0] = detail::madd(gamma ? dyv * gamma[j] : dyv, rs, -detail::madd(d, k3, k4));
+        if (dw) dw[j] += static_cast<double>(dyv * detail::madd(d, rs, xs));
+        if (db) db[j] += static_cast<double>(dyv);
+      }
+    }
+  }
+
+  LayerNormOptions options_;
+  Index size_;
+  Eigen::Tensor<T, 1> weight_;
+  Eigen::Tensor<T, 1> bias_;
+};
+
+}  // namespace normcore

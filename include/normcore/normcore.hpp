@@ -1,0 +1,9 @@
+// normcore: normalization layers (LayerNorm, RMSNorm, BatchNorm) over Eigen
+// tensors, forward and backward. Include this header for everything.
+#pragma once
+
+#include "normcore/config.hpp"
+#include "normcore/welford.hpp"
+#include "normcore/statistics.hpp"
+#include "normcore/common.hpp"
+#include "normcore/layer_norm.hpp"
