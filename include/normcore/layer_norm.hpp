@@ -101,6 +101,31 @@ ParamView<T> param_view(bool colmajor, const std::vector<Index>& shape, const T*
   return p;
 }
 
+/// Per-row constants of the LayerNorm backward from the three sums of its
+/// first pass (sg = sum g, sgd = sum g*d, sd = sum d, with d = x - mean_saved):
+/// dx = fma(g, rstd, -fma(d, k3, k4)), x_hat = fma(d, rstd, xs). One function
+/// for every code path, so that each row gets the same arithmetic wherever
+/// it sits in the batch.
+template <typename T>
+struct BackwardCoeffs {
+  T k3, k4, xs;
+};
+
+template <typename T>
+BackwardCoeffs<T> backward_coeffs(double sg, double sgd, double sd, Index n, T rstd) {
+  const double inv_n = 1.0 / static_cast<double>(n);
+  const double r = static_cast<double>(rstd);
+  const double delta = sd * inv_n;  // true mean - saved mean
+  const double mean_g = sg * inv_n;
+  const double mean_gx = r * (sgd - delta * sg) * inv_n;
+  const double r2m = r * r * mean_gx;
+  BackwardCoeffs<T> c;
+  c.k3 = static_cast<T>(r2m);
+  c.k4 = static_cast<T>(r * mean_g - delta * r2m);
+  c.xs = static_cast<T>(-delta * r);
+  return c;
+}
+
 }  // namespace detail
 
 /// Layer normalization over the trailing dims given by normalized_shape:
@@ -223,8 +248,8 @@ class LayerNorm {
     if (xv.row_major) {
       for (Index r = 0; r < xv.rows; ++r) {
         const T* xr = xv.data + r * n;
-        const Welford<double> w = row_moments(xr, n);
-        const auto k = detail::norm_coeffs<T>(w.mean(), w.variance(), eps);
+        const Welford<double> w = row_moments(xr, n, xr[0]);
+        const auto k = detail::norm_coeffs<T>(xr[0], w.mean(), w.variance(), eps);
         if (saved) {
           mean[r] = k.mean;
           rstd[r] = k.rstd;
@@ -238,8 +263,6 @@ class LayerNorm {
 
   // ColMajor: element (r, j) at data[j * rows + r]; rows are SIMD lanes.
   void forward_colmajor(const detail::Matrix2D<T>& xv, T* out, T* mean, T* rstd) const {
-    using namespace Eigen::internal;
-    using Packet = typename detail::simd<T>::Packet;
     constexpr int L = detail::simd<T>::L;
     const Index rows = xv.rows, n = xv.cols;
     const auto pv = detail::param_view(true, options_.normalized_shape(), gamma(), beta(), n);
@@ -250,9 +273,8 @@ class LayerNorm {
     T* rs = piv + rows;
     T* sh = rs + rows;
     for (Index r = 0; r < rows; ++r) {
-      const double m = static_cast<double>(xv.data[r]) + w[static_cast<std::size_t>(r)].mean();
-      const auto k = detail::norm_coeffs<T>(m, w[static_cast<std::size_t>(r)].variance(),
-                                            options_.eps());
+      const auto& wr = w[static_cast<std::size_t>(r)];
+      const auto k = detail::norm_coeffs<T>(xv.data[r], wr.mean(), wr.variance(), options_.eps());
       piv[r] = k.pivot;
       rs[r] = k.rstd;
       sh[r] = -k.shift;
@@ -263,23 +285,43 @@ class LayerNorm {
     }
     Index r0 = 0;
     for (; r0 + L <= rows; r0 += L) {
-      const Packet pp = ploadu<Packet>(piv + r0), pr = ploadu<Packet>(rs + r0),
-                   pc = ploadu<Packet>(sh + r0);
-      for (Index j = 0; j < n; ++j) {
-        Packet v = pmadd(psub(ploadu<Packet>(xv.data + j * rows + r0), pp), pr, pc);
-        if (pv.gamma) {
-          v = pv.beta ? pmadd(v, pset1<Packet>(pv.gamma[j]), pset1<Packet>(pv.beta[j]))
-                      : pmul(v, pset1<Packet>(pv.gamma[j]));
-        }
-        pstoreu(out + j * rows + r0, v);
-      }
+      normalize_lanes(xv.data + r0, out + r0, rows, n, piv + r0, rs + r0, sh + r0, pv.gamma, pv.beta);
     }
-    for (; r0 < rows; ++r0) {
-      for (Index j = 0; j < n; ++j) {
-        T v = detail::madd(xv.data[j * rows + r0] - piv[r0], rs[r0], sh[r0]);
-        if (pv.gamma) v = pv.beta ? detail::madd(v, pv.gamma[j], pv.beta[j]) : v * pv.gamma[j];
-        out[j * rows + r0] = v;
+    if (r0 < rows) {
+      // Leftover rows go through the same packet code on a padded copy, so a
+      // row's result never depends on where it sits in the batch.
+      const Index m = rows - r0;
+      std::vector<T> tmp(static_cast<std::size_t>(2 * L * n + 3 * L));
+      T* tx = tmp.data();
+      T* ty = tx + L * n;
+      T* tc = ty + L * n;
+      for (Index j = 0; j < n; ++j)
+        for (Index l = 0; l < L; ++l) tx[j * L + l] = xv.data[j * rows + r0 + std::min(l, m - 1)];
+      for (Index l = 0; l < L; ++l) {
+        const Index src = r0 + std::min(l, m - 1);
+        tc[l] = piv[src];
+        tc[L + l] = rs[src];
+        tc[2 * L + l] = sh[src];
       }
+      normalize_lanes(tx, ty, L, n, tc, tc + L, tc + 2 * L, pv.gamma, pv.beta);
+      for (Index j = 0; j < n; ++j)
+        for (Index l = 0; l < m; ++l) out[j * rows + r0 + l] = ty[j * L + l];
+    }
+  }
+
+  // One packet of rows (lanes) of a ColMajor block with leading dimension ld.
+  static void normalize_lanes(const T* x, T* out, Index ld, Index n, const T* piv, const T* rs,
+                              const T* sh, const T* gamma, const T* beta) {
+    using namespace Eigen::internal;
+    using Packet = typename detail::simd<T>::Packet;
+    const Packet pp = ploadu<Packet>(piv), pr = ploadu<Packet>(rs), pc = ploadu<Packet>(sh);
+    for (Index j = 0; j < n; ++j) {
+      Packet v = pmadd(psub(ploadu<Packet>(x + j * ld), pp), pr, pc);
+      if (gamma) {
+        v = beta ? pmadd(v, pset1<Packet>(gamma[j]), pset1<Packet>(beta[j]))
+                 : pmul(v, pset1<Packet>(gamma[j]));
+      }
+      pstoreu(out + j * ld, v);
     }
   }
 
@@ -316,14 +358,13 @@ class LayerNorm {
       NormStats<T> tmp;
       for (Index r = 0; r < rows; ++r) {
         Welford<double> w;
+        const T p = xv.row_major ? xv.data[r * n] : xv.data[r];
         if (xv.row_major) {
-          w = row_moments(xv.data + r * n, n);
+          w = row_moments(xv.data + r * n, n, p);
         } else {
-          const T p = xv.data[r];
           lane_moments(xv.data + r, rows, n, Index(1), &p, &w);
-          w = Welford<double>(w.count(), static_cast<double>(p) + w.mean(), w.m2());
         }
-        const auto k = detail::norm_coeffs<T>(w.mean(), w.variance(), options_.eps());
+        const auto k = detail::norm_coeffs<T>(p, w.mean(), w.variance(), options_.eps());
         stat[static_cast<std::size_t>(r)] = k.mean;
         stat[static_cast<std::size_t>(rows + r)] = k.rstd;
       }
@@ -420,14 +461,8 @@ class LayerNorm {
           sgd += g * d;
           sd += d;
         }
-        const double inv_n = 1.0 / static_cast<double>(n);
-        const double rd = static_cast<double>(rs);
-        const double delta = sd * inv_n;
-        const double mean_g = sg * inv_n;
-        const double mean_gx = rd * (sgd - delta * sg) * inv_n;
-        const T k3 = static_cast<T>(rd * rd * mean_gx);
-        const T k4 = static_cast<T>(rd * mean_g - delta * rd * rd * mean_gx);
-        const T xs = static_cast<T>(-delta * rd);  // x_hat = fma(d, rstd, xs)
+        const auto bc = detail::backward_coeffs<T>(sg, sgd, sd, n, rs);
+        const T k3 = bc.k3, k4 = bc.k4, xs = bc.xs;
         const Packet pr = pset1<Packet>(rs), p3 = pset1<Packet>(k3), p4 = pset1<Packet>(k4),
                      pxs = pset1<Packet>(xs);
         j = 0;
@@ -464,76 +499,82 @@ class LayerNorm {
   static void backward_colmajor(const T* x, const T* dy, T* dx, Index rows, Index n,
                                 const T* mean, const T* rstd, const T* gamma, double* dw,
                                 double* db) {
+    constexpr int L = detail::simd<T>::L;
+    Index r0 = 0;
+    for (; r0 + L <= rows; r0 += L) {
+      backward_lanes(x + r0, dy + r0, dx ? dx + r0 : nullptr, rows, n, mean + r0, rstd + r0, gamma,
+                     dw, db, L);
+    }
+    if (r0 < rows) {
+      // Leftover rows: the same packet code on a padded copy (see forward).
+      // Padding lanes repeat a real row and are masked out of dw/db.
+      const Index m = rows - r0;
+      std::vector<T> tmp(static_cast<std::size_t>(3 * L * n + 2 * L));
+      T* tx = tmp.data();
+      T* tdy = tx + L * n;
+      T* tdx = tdy + L * n;
+      T* ts = tdx + L * n;
+      for (Index j = 0; j < n; ++j) {
+        for (Index l = 0; l < L; ++l) {
+          const Index src = j * rows + r0 + std::min(l, m - 1);
+          tx[j * L + l] = x[src];
+          tdy[j * L + l] = dy[src];
+        }
+      }
+      for (Index l = 0; l < L; ++l) {
+        ts[l] = mean[r0 + std::min(l, m - 1)];
+        ts[L + l] = rstd[r0 + std::min(l, m - 1)];
+      }
+      backward_lanes(tx, tdy, dx ? tdx : nullptr, L, n, ts, ts + L, gamma, dw, db, m);
+      if (dx)
+        for (Index j = 0; j < n; ++j)
+          for (Index l = 0; l < m; ++l) dx[j * rows + r0 + l] = tdx[j * L + l];
+    }
+  }
+
+  // One packet of rows with leading dimension ld; only the first `active`
+  // lanes contribute to dw and db.
+  static void backward_lanes(const T* x, const T* dy, T* dx, Index ld, Index n, const T* mean,
+                             const T* rstd, const T* gamma, double* dw, double* db, Index active) {
     using namespace Eigen::internal;
     using Packet = typename detail::simd<T>::Packet;
     constexpr int L = detail::simd<T>::L;
-    alignas(64) T buf[4][L];
-    Index r0 = 0;
-    for (; r0 + L <= rows; r0 += L) {
-      const Packet pp = ploadu<Packet>(mean + r0);
-      const Packet pr = ploadu<Packet>(rstd + r0);
-      Packet sg = pset1<Packet>(T(0)), sgd = sg, sd = sg;
-      for (Index j = 0; j < n; ++j) {
-        Packet g = ploadu<Packet>(dy + j * rows + r0);
-        if (gamma) g = pmul(g, pset1<Packet>(gamma[j]));
-        const Packet d = psub(ploadu<Packet>(x + j * rows + r0), pp);
-        sg = padd(sg, g);
-        sgd = pmadd(g, d, sgd);
-        sd = padd(sd, d);
-      }
-      pstoreu(buf[0], sg);
-      pstoreu(buf[1], sgd);
-      pstoreu(buf[2], sd);
-      alignas(64) T k3[L], k4[L], xs[L];
-      for (int l = 0; l < L; ++l) {
-        const double inv_n = 1.0 / static_cast<double>(n);
-        const double r = static_cast<double>(rstd[r0 + l]);
-        const double delta = static_cast<double>(buf[2][l]) * inv_n;
-        const double mean_g = static_cast<double>(buf[0][l]) * inv_n;
-        const double mean_gx =
-            r * (static_cast<double>(buf[1][l]) - delta * static_cast<double>(buf[0][l])) * inv_n;
-        k3[l] = static_cast<T>(r * r * mean_gx);
-        k4[l] = static_cast<T>(r * mean_g - delta * r * r * mean_gx);
-        xs[l] = static_cast<T>(-delta * r);
-      }
-      const Packet p3 = ploadu<Packet>(k3), p4 = ploadu<Packet>(k4), pxs = ploadu<Packet>(xs);
-      for (Index j = 0; j < n; ++j) {
-        const Packet dyv = ploadu<Packet>(dy + j * rows + r0);
-        const Packet d = psub(ploadu<Packet>(x + j * rows + r0), pp);
-        if (dx) {
-          const Packet g = gamma ? pmul(dyv, pset1<Packet>(gamma[j])) : dyv;
-          pstoreu(dx + j * rows + r0, pmadd(g, pr, pnegate(pmadd(d, p3, p4))));
-        }
-        if (dw) dw[j] += static_cast<double>(predux(pmul(dyv, pmadd(d, pr, pxs))));
-        if (db) db[j] += static_cast<double>(predux(dyv));
-      }
+    alignas(64) T buf[3][L];
+    const Packet pp = ploadu<Packet>(mean);
+    const Packet pr = ploadu<Packet>(rstd);
+    Packet sg = pset1<Packet>(T(0)), sgd = sg, sd = sg;
+    for (Index j = 0; j < n; ++j) {
+      Packet g = ploadu<Packet>(dy + j * ld);
+      if (gamma) g = pmul(g, pset1<Packet>(gamma[j]));
+      const Packet d = psub(ploadu<Packet>(x + j * ld), pp);
+      sg = padd(sg, g);
+      sgd = pmadd(g, d, sgd);
+      sd = padd(sd, d);
     }
-    for (; r0 < rows; ++r0) {  // leftover rows: the packet arithmetic, one lane
-      const T p = mean[r0], rs = rstd[r0];
-      T sg = 0, sgd = 0, sd = 0;
-      for (Index j = 0; j < n; ++j) {
-        const T g = gamma ? dy[j * rows + r0] * gamma[j] : dy[j * rows + r0];
-        const T d = x[j * rows + r0] - p;
-        sg += g;
-        sgd = detail::madd(g, d, sgd);
-        sd += d;
+    pstoreu(buf[0], sg);
+    pstoreu(buf[1], sgd);
+    pstoreu(buf[2], sd);
+    alignas(64) T k3[L], k4[L], xs[L], mask[L];
+    for (int l = 0; l < L; ++l) {
+      const auto bc = detail::backward_coeffs<T>(static_cast<double>(buf[0][l]), static_cast<double>(buf[1][l]),
+                                                 static_cast<double>(buf[2][l]), n, rstd[l]);
+      k3[l] = bc.k3;
+      k4[l] = bc.k4;
+      xs[l] = bc.xs;
+      mask[l] = l < active ? T(1) : T(0);
+    }
+    const Packet p3 = ploadu<Packet>(k3), p4 = ploadu<Packet>(k4), pxs = ploadu<Packet>(xs),
+                 pm = ploadu<Packet>(mask);
+    for (Index j = 0; j < n; ++j) {
+      const Packet dyv = ploadu<Packet>(dy + j * ld);
+      const Packet d = psub(ploadu<Packet>(x + j * ld), pp);
+      if (dx) {
+        const Packet g = gamma ? pmul(dyv, pset1<Packet>(gamma[j])) : dyv;
+        pstoreu(dx + j * ld, pmadd(g, pr, pnegate(pmadd(d, p3, p4))));
       }
-      const double inv_n = 1.0 / static_cast<double>(n);
-      const double r = static_cast<double>(rs);
-      const double delta = static_cast<double>(sd) * inv_n;
-      const double mean_g = static_cast<double>(sg) * inv_n;
-      const double mean_gx =
-          r * (static_cast<double>(sgd) - delta * static_cast<double>(sg)) * inv_n;
-      const T k3 = static_cast<T>(r * r * mean_gx);
-      const T k4 = static_cast<T>(r * mean_g - delta * r * r * mean_gx);
-      const T xs = static_cast<T>(-delta * r);
-      for (Index j = 0; j < n; ++j) {
-        const T dyv = dy[j * rows + r0];
-        const T d = x[j * rows + r0] - p;
-        if (dx) dx[j * rows + r0] = detail::madd(gamma ? dyv * gamma[j] : dyv, rs, -detail::madd(d, k3, k4));
-        if (dw) dw[j] += static_cast<double>(dyv * detail::madd(d, rs, xs));
-        if (db) db[j] += static_cast<double>(dyv);
-      }
+      const Packet dym = pmul(dyv, pm);
+      if (dw) dw[j] += static_cast<double>(predux(pmul(dym, pmadd(d, pr, pxs))));
+      if (db) db[j] += static_cast<double>(predux(dym));
     }
   }
 

@@ -27,15 +27,21 @@ struct NormCoeffs {
   T shift;
 };
 
+/// Coefficients from a Welford state in pivot-shifted coordinates: the mean
+/// is pivot + mean_shift, kept as two parts so that it is not rounded before
+/// it is used (for T = double there is no wider type to hold it).
 template <typename T>
-NormCoeffs<T> norm_coeffs(double mean, double var, double eps) {
+NormCoeffs<T> norm_coeffs(T pivot, double mean_shift, double var, double eps) {
   NormCoeffs<T> c;
   const double r = 1.0 / std::sqrt(var + eps);
+  const double mean = static_cast<double>(pivot) + mean_shift;
   c.mean = static_cast<T>(mean);
   c.rstd = static_cast<T>(r);
   const bool shifted = !(std::fabs(mean) * r <= 1.0) || var == 0.0;
   c.pivot = shifted ? c.mean : T(0);
-  c.shift = static_cast<T>((mean - static_cast<double>(c.pivot)) * static_cast<double>(c.rstd));
+  // pivot - c.pivot is exact (Sterbenz, or pivot itself when c.pivot = 0).
+  const double rest = static_cast<double>(pivot - c.pivot) + mean_shift;
+  c.shift = static_cast<T>(rest * static_cast<double>(c.rstd));
   return c;
 }
 

@@ -1,0 +1,397 @@
+// LayerNorm against the reference path, finite differences and closed forms.
+#include "test_util.hpp"
+
+namespace {
+
+using namespace nctest;
+using normcore::LayerNorm;
+using normcore::LayerNormOptions;
+using normcore::NormStats;
+
+template <typename T>
+class LayerNormTest : public ::testing::Test {};
+using Types = ::testing::Types<float, double>;
+TYPED_TEST_SUITE(LayerNormTest, Types);
+
+template <typename T, int Layout>
+using Mat = Eigen::Tensor<T, 2, Layout>;
+template <typename T, int Layout>
+using MapC = Eigen::TensorMap<const Eigen::Tensor<T, 2, Layout>>;
+template <typename T, int Layout>
+using Map = Eigen::TensorMap<Eigen::Tensor<T, 2, Layout>>;
+
+template <typename T>
+void randomize_params(LayerNorm<T>& ln, unsigned seed) {
+  auto g = randn<T>(static_cast<std::size_t>(ln.normalized_size()), seed, 1.0, 0.5);
+  auto b = randn<T>(static_cast<std::size_t>(ln.normalized_size()), seed + 1, 0.0, 0.5);
+  std::copy(g.begin(), g.end(), ln.weight().data());
+  std::copy(b.begin(), b.end(), ln.bias().data());
+}
+
+// Forward, saved statistics and every gradient against the reference, for
+// one layout. Data are given in logical (row-major) order.
+template <typename T, int Layout>
+void check_against_reference(Index rows, Index n, unsigned seed, double offset) {
+  SCOPED_TRACE(::testing::Message() << "rows=" << rows << " n=" << n
+                                    << (Layout == Eigen::RowMajor ? " RowMajor" : " ColMajor"));
+  LayerNorm<T> ln(LayerNormOptions({n}));
+  randomize_params(ln, seed);
+  const auto xl = randn<T>(static_cast<std::size_t>(rows * n), seed + 2, offset, 2.0);
+  const auto dyl = randn<T>(static_cast<std::size_t>(rows * n), seed + 3);
+  const bool rm = Layout == Eigen::RowMajor;
+  const auto xs = rm ? xl : to_colmajor(xl, rows, n);
+  const auto dys = rm ? dyl : to_colmajor(dyl, rows, n);
+  MapC<T, Layout> x(xs.data(), rows, n);
+  MapC<T, Layout> dy(dys.data(), rows, n);
+
+  Mat<T, Layout> y(rows, n);
+  NormStats<T> stats;
+  ln.forward(x, y, stats);
+  normcore::reference::RowStats rs;
+  const auto yref = normcore::reference::layer_norm_forward(
+      xl.data(), rows, n, ln.weight().data(), ln.bias().data(), 1e-5, &rs);
+  const auto yl = rm ? std::vector<T>(y.data(), y.data() + y.size()) : from_colmajor(y.data(), rows, n);
+  // The reference itself rounds x - mean at ulp(offset): |offset| * rstd is
+  // part of the magnitude.
+  double rmax = 0;
+  for (double r : rs.rstd) rmax = std::max(rmax, r);
+  const double quant = std::fabs(offset) * rmax;
+  EXPECT_LE(max_diff(yl.data(), yref), tol_elem<T>(max_abs(yref) + 1.0 + 2 * quant, double(n)));
+  for (Index r = 0; r < rows; ++r) {
+    const double rstd = rs.rstd[static_cast<std::size_t>(r)];
+    EXPECT_NEAR(stats.mean(r), rs.mean[static_cast<std::size_t>(r)],
+                tol_elem<T>(std::fabs(offset) + 1.0 / rstd, double(n)));
+    EXPECT_NEAR(stats.rstd(r), rstd, tol_elem<T>(rstd, double(n)));
+  }
+
+  const auto gref = normcore::reference::layer_norm_backward(xl.data(), dyl.data(), rows, n,
+                                                             ln.weight().data(), 1e-5);
+  Mat<T, Layout> dx(rows, n);
+  Eigen::Tensor<T, 1> dw, db;
+  ln.backward(x, dy, &dx, &dw, &db, &stats);
+  const auto dxl = rm ? std::vector<T>(dx.data(), dx.data() + dx.size()) : from_colmajor(dx.data(), rows, n);
+  double gmax = 0;
+  for (Index i = 0; i < rows * n; ++i)
+    gmax = std::max(gmax, std::fabs(double(dyl[static_cast<std::size_t>(i)]) * double(ln.weight()(i % n))));
+  EXPECT_LE(max_diff(dxl.data(), gref.dx), tol_elem<T>(rmax * (gmax + 1.0) * (1 + quant), double(n)));
+  // dweight/dbias sum over rows: |dy * x_hat| per term, `rows` terms.
+  const double xhat_max = 4.0;  // |x_hat| <= sqrt(n) in general; normal data stay below 4-5
+  EXPECT_LE(max_diff(dw.data(), gref.dweight),
+            tol<T>(max_abs(gref.dweight) + (xhat_max + quant) * 4, double(rows) + 8));
+  EXPECT_LE(max_diff(db.data(), gref.dbias), tol<T>(max_abs(gref.dbias) + 4, double(rows) + 8));
+
+  // Backward without saved statistics recomputes exactly what forward saved.
+  Mat<T, Layout> dx2(rows, n);
+  ln.backward(x, dy, &dx2, nullptr, nullptr);
+  EXPECT_TRUE(bit_equal(dx.data(), dx2.data(), static_cast<std::size_t>(dx.size())));
+}
+
+TYPED_TEST(LayerNormTest, MatchesReferenceOnAwkwardLengthsBothLayouts) {
+  using T = TypeParam;
+  unsigned seed = 1;
+  for (Index n : awkward_lengths()) {
+    for (Index rows : {Index(1), Index(3), Index(20)}) {
+      check_against_reference<T, Eigen::RowMajor>(rows, n, seed, 0.5);
+      check_against_reference<T, Eigen::ColMajor>(rows, n, seed, 0.5);
+      seed += 7;
+    }
+  }
+}
+
+TYPED_TEST(LayerNormTest, MatchesReferenceWithLargeOffset) {
+  using T = TypeParam;
+  for (Index n : {Index(64), Index(768), Index(1000)}) {
+    check_against_reference<T, Eigen::RowMajor>(6, n, 11, 1e4);
+    check_against_reference<T, Eigen::ColMajor>(19, n, 12, 1e4);
+  }
+}
+
+// Finite differences in double: the backward is the derivative of the forward.
+TEST(LayerNormGradient, MatchesCentralDifferences) {
+  for (Index n : {Index(1), Index(2), Index(5), Index(17), Index(40)}) {
+    for (bool affine : {true, false}) {
+      SCOPED_TRACE(::testing::Message() << "n=" << n << " affine=" << affine);
+      const Index rows = 3;
+      LayerNorm<double> ln(LayerNormOptions({n}).elementwise_affine(affine).eps(1e-3));
+      if (affine) randomize_params(ln, 5);
+      auto x = randn<double>(static_cast<std::size_t>(rows * n), 6, 0.3, 1.5);
+      const auto w = randn<double>(static_cast<std::size_t>(rows * n), 7);  // loss = sum(w * y)
+      Eigen::TensorMap<Eigen::Tensor<double, 2, Eigen::RowMajor>> xm(x.data(), rows, n);
+      Eigen::TensorMap<const Eigen::Tensor<double, 2, Eigen::RowMajor>> wm(w.data(), rows, n);
+      auto loss = [&]() {
+        Eigen::Tensor<double, 2, Eigen::RowMajor> y = ln(xm);
+        double s = 0;
+        for (Index i = 0; i < rows * n; ++i) s += y.data()[i] * w[static_cast<std::size_t>(i)];
+        return s;
+      };
+      const auto g = ln.backward(xm, wm);
+      const double h = 1e-6;
+      for (Index i = 0; i < rows * n; ++i) {
+        const double keep = x[static_cast<std::size_t>(i)];
+        x[static_cast<std::size_t>(i)] = keep + h;
+        const double lp = loss();
+        x[static_cast<std::size_t>(i)] = keep - h;
+        const double lm = loss();
+        x[static_cast<std::size_t>(i)] = keep;
+        // Central difference: truncation O(h^2 f'''), rounding O(eps |f| / h).
+        EXPECT_NEAR(g.dx.data()[i], (lp - lm) / (2 * h), 1e-6 * (1 + std::fabs(g.dx.data()[i])));
+      }
+      if (!affine) continue;
+      for (Index j = 0; j < n; ++j) {
+        for (int which = 0; which < 2; ++which) {
+          double& p = which == 0 ? ln.weight()(j) : ln.bias()(j);
+          const double keep = p;
+          p = keep + h;
+          const double lp = loss();
+          p = keep - h;
+          const double lm = loss();
+          p = keep;
+          const double got = which == 0 ? g.dweight(j) : g.dbias(j);
+          EXPECT_NEAR(got, (lp - lm) / (2 * h), 1e-6 * (1 + std::fabs(got)));
+        }
+      }
+    }
+  }
+}
+
+TYPED_TEST(LayerNormTest, WorkedExample) {
+  using T = TypeParam;
+  Eigen::Tensor<T, 2, Eigen::RowMajor> x(1, 4);
+  x.setValues({{2, 4, 4, 6}});
+  LayerNorm<T> ln(LayerNormOptions({4}).eps(0.0));
+  NormStats<T> s;
+  Eigen::Tensor<T, 2, Eigen::RowMajor> y(1, 4);
+  ln.forward(x, y, s);
+  EXPECT_EQ(s.mean(0), T(4));
+  EXPECT_NEAR(1.0 / (double(s.rstd(0)) * double(s.rstd(0))), 2.0, 4 * eps<T>());
+  const double k = 1.0 / std::sqrt(2.0);  // (x - 4) / sqrt(2)
+  EXPECT_NEAR(y(0, 0), -2 * k, 4 * eps<T>());
+  EXPECT_EQ(y(0, 1), T(0));
+  EXPECT_EQ(y(0, 2), T(0));
+  EXPECT_NEAR(y(0, 3), 2 * k, 4 * eps<T>());
+}
+
+TYPED_TEST(LayerNormTest, ConstantRowGivesExactlyBeta) {
+  using T = TypeParam;
+  for (Index n : {Index(1), Index(7), Index(768), Index(1000)}) {
+    for (T value : {T(1234.5), T(-3e6), T(0), T(1e-3)}) {
+      LayerNorm<T> ln(LayerNormOptions({n}));
+      ln.bias().setConstant(T(0.25));
+      ln.weight().setConstant(T(3));
+      Eigen::Tensor<T, 2, Eigen::RowMajor> x(2, n);
+      x.setConstant(value);
+      Eigen::Tensor<T, 2, Eigen::RowMajor> y = ln(x);
+      Eigen::Tensor<T, 2, Eigen::ColMajor> xc(2, n);
+      xc.setConstant(value);
+      Eigen::Tensor<T, 2, Eigen::ColMajor> yc = ln(xc);
+      for (Index i = 0; i < y.size(); ++i) {
+        ASSERT_EQ(y.data()[i], T(0.25)) << "n=" << n << " value=" << value;
+        ASSERT_EQ(yc.data()[i], T(0.25)) << "n=" << n << " value=" << value;
+      }
+    }
+  }
+}
+
+// A row's output depends only on the row: alone, inside a batch, at an
+// unaligned address: bit for bit.
+template <typename T, int Layout>
+void check_batch_independence(Index n) {
+  SCOPED_TRACE(::testing::Message() << "n=" << n << (Layout == Eigen::RowMajor ? " RowMajor" : " ColMajor"));
+  const Index rows = 37, pick = 21;
+  LayerNorm<T> ln(LayerNormOptions({n}));
+  randomize_params(ln, 3);
+  const auto xl = randn<T>(static_cast<std::size_t>(rows * n), 9, 3.0, 2.0);
+  const auto dyl = randn<T>(static_cast<std::size_t>(rows * n), 10);
+  const bool rm = Layout == Eigen::RowMajor;
+  const auto xs = rm ? xl : to_colmajor(xl, rows, n);
+  const auto dys = rm ? dyl : to_colmajor(dyl, rows, n);
+  MapC<T, Layout> x(xs.data(), rows, n), dy(dys.data(), rows, n);
+  Mat<T, Layout> y = ln(x);
+  Mat<T, Layout> dx(rows, n);
+  ln.backward(x, dy, &dx, nullptr, nullptr);
+  // The picked row alone, stored one element past an aligned address.
+  std::vector<T> one(static_cast<std::size_t>(n + 1)), gone(static_cast<std::size_t>(n + 1));
+  std::copy(xl.begin() + pick * n, xl.begin() + (pick + 1) * n, one.begin() + 1);
+  std::copy(dyl.begin() + pick * n, dyl.begin() + (pick + 1) * n, gone.begin() + 1);
+  MapC<T, Layout> x1(one.data() + 1, 1, n), dy1(gone.data() + 1, 1, n);
+  Mat<T, Layout> y1 = ln(x1);
+  Mat<T, Layout> dx1(1, n);
+  ln.backward(x1, dy1, &dx1, nullptr, nullptr);
+  for (Index j = 0; j < n; ++j) {
+    ASSERT_EQ(std::memcmp(&y1(0, j), &y(pick, j), sizeof(T)), 0) << "y, j=" << j;
+    ASSERT_EQ(std::memcmp(&dx1(0, j), &dx(pick, j), sizeof(T)), 0) << "dx, j=" << j;
+  }
+}
+
+TYPED_TEST(LayerNormTest, BatchSizeIndependenceBitForBit) {
+  for (Index n : {Index(1), Index(17), Index(64), Index(768), Index(1000)}) {
+    check_batch_independence<TypeParam, Eigen::RowMajor>(n);
+    check_batch_independence<TypeParam, Eigen::ColMajor>(n);
+  }
+}
+
+// Float rows with mean 1e4..1e6 and standard deviation 1. The tolerance is
+// the floor set by the input itself (ulp(mean)/2 / std) times 1.5; the naive
+// E[x^2] - E[x]^2 formula misses it on the same data, so this test can fail.
+TEST(LayerNormStability, LargeMeanStaysAtTheFloorWhereNaiveFails) {
+  for (double offset : {1e4, 1e5, 1e6}) {
+    const Index rows = 16, n = 768;
+    const auto x = randn<float>(static_cast<std::size_t>(rows * n), 21, offset, 1.0);
+    LayerNorm<float> ln(LayerNormOptions({n}));
+    Eigen::TensorMap<const Eigen::Tensor<float, 2, Eigen::RowMajor>> xm(x.data(), rows, n);
+    Eigen::Tensor<float, 2, Eigen::RowMajor> y = ln(xm);
+    const auto ref = normcore::reference::layer_norm_forward(x.data(), rows, n, (const float*)nullptr,
+                                                             (const float*)nullptr, 1e-5);
+    const float m = static_cast<float>(offset);
+    const double floor = (std::nextafter(m, 2 * m) - m) / 2.0;
+    EXPECT_LE(max_diff(y.data(), ref), 1.5 * floor) << "offset " << offset;
+    // Naive one-pass formula in float, as a careless kernel would do it.
+    std::vector<float> naive(static_cast<std::size_t>(rows * n));
+    for (Index r = 0; r < rows; ++r) {
+      float s = 0, s2 = 0;
+      for (Index j = 0; j < n; ++j) {
+        s += x[static_cast<std::size_t>(r * n + j)];
+        s2 += x[static_cast<std::size_t>(r * n + j)] * x[static_cast<std::size_t>(r * n + j)];
+      }
+      const float mean = s / float(n);
+      const float var = s2 / float(n) - mean * mean;
+      for (Index j = 0; j < n; ++j)
+        naive[static_cast<std::size_t>(r * n + j)] = (x[static_cast<std::size_t>(r * n + j)] - mean) / std::sqrt(var + 1e-5f);
+    }
+    EXPECT_GT(max_diff(naive.data(), ref), 1.5 * floor) << "offset " << offset;
+  }
+}
+
+// normalized_shape over the last three dims, rank 4, both layouts. Weight is
+// flattened in row-major order of normalized_shape, whatever the layout.
+TYPED_TEST(LayerNormTest, MultiDimNormalizedShapeBothLayouts) {
+  using T = TypeParam;
+  const Index B = 5, C = 3, H = 4, W = 7, n = C * H * W;
+  LayerNorm<T> ln(LayerNormOptions({C, H, W}));
+  randomize_params(ln, 8);
+  Eigen::Tensor<T, 4, Eigen::RowMajor> x(B, C, H, W), dy(B, C, H, W);
+  const auto xv = randn<T>(static_cast<std::size_t>(B * n), 31, 1.0, 3.0);
+  const auto dv = randn<T>(static_cast<std::size_t>(B * n), 32);
+  std::copy(xv.begin(), xv.end(), x.data());
+  std::copy(dv.begin(), dv.end(), dy.data());
+  const auto ref = normcore::reference::layer_norm_forward(xv.data(), B, n, ln.weight().data(),
+                                                           ln.bias().data(), 1e-5);
+  const auto gref = normcore::reference::layer_norm_backward(xv.data(), dv.data(), B, n,
+                                                             ln.weight().data(), 1e-5);
+  Eigen::Tensor<T, 4, Eigen::RowMajor> y = ln(x);
+  EXPECT_LE(max_diff(y.data(), ref), tol_elem<T>(max_abs(ref) + 1, double(n)));
+  // The same logical tensor stored ColMajor.
+  const Eigen::array<int, 4> rev{{3, 2, 1, 0}};
+  Eigen::Tensor<T, 4, Eigen::ColMajor> xc = x.swap_layout().shuffle(rev);
+  Eigen::Tensor<T, 4, Eigen::ColMajor> dyc = dy.swap_layout().shuffle(rev);
+  ASSERT_EQ(xc.dimension(1), C);
+  Eigen::Tensor<T, 4, Eigen::ColMajor> yc = ln(xc);
+  Eigen::Tensor<T, 4, Eigen::RowMajor> yc_rm = yc.swap_layout().shuffle(rev);
+  EXPECT_LE(max_diff(yc_rm.data(), ref), tol_elem<T>(max_abs(ref) + 1, double(n)));
+  auto g = ln.backward(xc, dyc);
+  Eigen::Tensor<T, 4, Eigen::RowMajor> dx_rm = g.dx.swap_layout().shuffle(rev);
+  EXPECT_LE(max_diff(dx_rm.data(), gref.dx), tol_elem<T>(max_abs(gref.dx) + 4, double(n)));
+  EXPECT_LE(max_diff(g.dweight.data(), gref.dweight), tol<T>(max_abs(gref.dweight) + 16, double(B) + 8));
+  EXPECT_LE(max_diff(g.dbias.data(), gref.dbias), tol<T>(max_abs(gref.dbias) + 4, double(B) + 8));
+}
+
+TYPED_TEST(LayerNormTest, NoAffineAndNoBias) {
+  using T = TypeParam;
+  const Index rows = 4, n = 33;
+  const auto xv = randn<T>(static_cast<std::size_t>(rows * n), 41, 0.0, 1.0);
+  Eigen::TensorMap<const Eigen::Tensor<T, 2, Eigen::RowMajor>> x(xv.data(), rows, n);
+  LayerNorm<T> plain(LayerNormOptions({n}).elementwise_affine(false));
+  EXPECT_EQ(plain.weight().size(), 0);
+  EXPECT_EQ(plain.bias().size(), 0);
+  Eigen::Tensor<T, 2, Eigen::RowMajor> y = plain(x);
+  const auto ref = normcore::reference::layer_norm_forward(xv.data(), rows, n, (const T*)nullptr,
+                                                           (const T*)nullptr, 1e-5);
+  EXPECT_LE(max_diff(y.data(), ref), tol_elem<T>(max_abs(ref), double(n)));
+  LayerNorm<T> nobias(LayerNormOptions({n}).bias(false));
+  EXPECT_EQ(nobias.weight().size(), n);
+  EXPECT_EQ(nobias.bias().size(), 0);
+  auto g = nobias.backward(x, x);
+  EXPECT_EQ(g.dbias.size(), 0);
+  EXPECT_EQ(g.dweight.size(), n);
+}
+
+TEST(LayerNormErrors, ShapeMismatchesNameExpectedAndActual) {
+  LayerNorm<float> ln(LayerNormOptions({768}));
+  Eigen::Tensor<float, 2, Eigen::RowMajor> x(8, 512);
+  x.setZero();
+  try {
+    (void)ln(x);
+    FAIL() << "no exception";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("[768]"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("[8, 512]"), std::string::npos) << e.what();
+  }
+  Eigen::Tensor<float, 2, Eigen::RowMajor> good(8, 768), wrong(4, 768);
+  good.setZero();
+  try {
+    ln.forward(good, wrong);
+    FAIL() << "no exception";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("[8, 768]"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("[4, 768]"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(ln.backward(good, wrong, &good, nullptr, nullptr), std::invalid_argument);
+  EXPECT_THROW(ln.backward(good, good, &wrong, nullptr, nullptr), std::invalid_argument);
+  NormStats<float> bad;
+  bad.mean.resize(3);
+  bad.rstd.resize(3);
+  EXPECT_THROW(ln.backward(good, good, &good, nullptr, nullptr, &bad), std::invalid_argument);
+  LayerNorm<float> plain(LayerNormOptions({768}).elementwise_affine(false));
+  Eigen::Tensor<float, 1> dw;
+  EXPECT_THROW(plain.backward(good, good, nullptr, &dw, nullptr), std::invalid_argument);
+  EXPECT_THROW(LayerNorm<float>(LayerNormOptions(std::vector<Index>{})), std::invalid_argument);
+  EXPECT_THROW(LayerNorm<float>(LayerNormOptions({0})), std::invalid_argument);
+  EXPECT_THROW(LayerNorm<float>(LayerNormOptions({4}).eps(-1)), std::invalid_argument);
+  Eigen::Tensor<float, 1> v(768);  // rank 1 < ... fine; rank-0-row input
+  v.setZero();
+  EXPECT_NO_THROW((void)ln(v));
+}
+
+TYPED_TEST(LayerNormTest, ZeroRowsDoNothingAndNonFiniteStaysInItsRow) {
+  using T = TypeParam;
+  LayerNorm<T> ln(LayerNormOptions({16}));
+  Eigen::Tensor<T, 3, Eigen::RowMajor> empty(0, 4, 16);
+  NormStats<T> s;
+  Eigen::Tensor<T, 3, Eigen::RowMajor> ey(0, 4, 16);
+  ln.forward(empty, ey, s);
+  EXPECT_EQ(s.mean.size(), 0);
+  for (T bad : {std::numeric_limits<T>::quiet_NaN(), std::numeric_limits<T>::infinity()}) {
+    Eigen::Tensor<T, 2, Eigen::RowMajor> x(3, 16);
+    x.setRandom();
+    x(1, 5) = bad;
+    Eigen::Tensor<T, 2, Eigen::RowMajor> y = ln(x);
+    Eigen::Tensor<T, 2, Eigen::ColMajor> xc = x.swap_layout().shuffle(Eigen::array<int, 2>{{1, 0}});
+    Eigen::Tensor<T, 2, Eigen::ColMajor> yc = ln(xc);
+    for (Index j = 0; j < 16; ++j) {
+      EXPECT_TRUE(std::isfinite(y(0, j)) && std::isfinite(y(2, j)));
+      EXPECT_TRUE(std::isnan(y(1, j)));
+      EXPECT_TRUE(std::isfinite(yc(0, j)) && std::isfinite(yc(2, j)));
+      EXPECT_TRUE(std::isnan(yc(1, j)));
+    }
+  }
+}
+
+TEST(LayerNormTensor, RankThreeTensorAndConstMap) {
+  const Index B = 2, S = 5, H = 24;
+  Eigen::Tensor<float, 3, Eigen::RowMajor> x(B, S, H);
+  const auto v = randn<float>(static_cast<std::size_t>(B * S * H), 51, 2.0, 1.0);
+  std::copy(v.begin(), v.end(), x.data());
+  LayerNorm<float> ln(LayerNormOptions({H}));
+  Eigen::Tensor<float, 3, Eigen::RowMajor> y = ln(x);
+  const Eigen::Tensor<float, 3, Eigen::RowMajor>& cx = x;
+  Eigen::TensorMap<const Eigen::Tensor<float, 3, Eigen::RowMajor>> cm(cx.data(), B, S, H);
+  Eigen::Tensor<float, 3, Eigen::RowMajor> y2(B, S, H);
+  Eigen::TensorMap<Eigen::Tensor<float, 3, Eigen::RowMajor>> ym(y2.data(), B, S, H);
+  ln.forward(cm, ym);
+  EXPECT_TRUE(bit_equal(y.data(), y2.data(), static_cast<std::size_t>(y.size())));
+  const auto ref = normcore::reference::layer_norm_forward(v.data(), B * S, H, ln.weight().data(),
+                                                           ln.bias().data(), 1e-5);
+  EXPECT_LE(max_diff(y.data(), ref), tol_elem<float>(max_abs(ref) + 1, double(H)));
+}
+
+}  // namespace

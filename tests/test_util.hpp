@@ -1,0 +1,100 @@
+// Helpers shared by normcore's tests.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include <normcore/normcore.hpp>
+#include <normcore/reference/reference.hpp>
+
+namespace nctest {
+
+using normcore::Index;
+
+template <typename T>
+constexpr double eps() {
+  return static_cast<double>(std::numeric_limits<T>::epsilon());
+}
+
+/// Tolerance for a value of size `magnitude` produced by a reduction over
+/// `length` terms: a few roundings per term in the worst case, i.e.
+/// eps x magnitude x length (the standard bound for recursive summation).
+template <typename T>
+double tol(double magnitude, double length) {
+  return eps<T>() * magnitude * std::max(1.0, length);
+}
+
+/// Tolerance for per-element outputs of a normalization: the row statistics
+/// come from a blocked/tree reduction whose error grows like log2(length),
+/// plus a few roundings per element.
+template <typename T>
+double tol_elem(double magnitude, double length) {
+  return eps<T>() * magnitude * (4.0 + std::log2(1.0 + length));
+}
+
+template <typename T>
+std::vector<T> randn(std::size_t n, unsigned seed, double mean = 0.0, double stddev = 1.0) {
+  std::mt19937_64 g(seed);
+  std::normal_distribution<double> d(mean, stddev);
+  std::vector<T> v(n);
+  for (auto& x : v) x = static_cast<T>(d(g));
+  return v;
+}
+
+inline double max_abs(const std::vector<double>& v) {
+  double m = 0;
+  for (double x : v) m = std::max(m, std::fabs(x));
+  return m;
+}
+
+/// Largest |a - b| over n values (NaN counts as infinitely far unless both NaN).
+template <typename T>
+double max_diff(const T* a, const std::vector<double>& b) {
+  double m = 0;
+  for (std::size_t i = 0; i < b.size(); ++i) {
+    const double x = static_cast<double>(a[i]);
+    if (std::isnan(x) && std::isnan(b[i])) continue;
+    const double d = std::fabs(x - b[i]);
+    m = std::max(m, std::isnan(d) ? std::numeric_limits<double>::infinity() : d);
+  }
+  return m;
+}
+
+/// Copies a rows x n row-major matrix into ColMajor order (element (r, j) at
+/// j * rows + r), which is how a ColMajor tensor of logical dims (rows, n)
+/// stores it.
+template <typename T>
+std::vector<T> to_colmajor(const std::vector<T>& v, Index rows, Index n) {
+  std::vector<T> c(v.size());
+  for (Index r = 0; r < rows; ++r)
+    for (Index j = 0; j < n; ++j) c[static_cast<std::size_t>(j * rows + r)] = v[static_cast<std::size_t>(r * n + j)];
+  return c;
+}
+
+template <typename T>
+std::vector<T> from_colmajor(const T* c, Index rows, Index n) {
+  std::vector<T> v(static_cast<std::size_t>(rows * n));
+  for (Index r = 0; r < rows; ++r)
+    for (Index j = 0; j < n; ++j) v[static_cast<std::size_t>(r * n + j)] = c[j * rows + r];
+  return v;
+}
+
+template <typename T>
+bool bit_equal(const T* a, const T* b, std::size_t n) {
+  return std::memcmp(a, b, n * sizeof(T)) == 0;
+}
+
+/// The row lengths that break SIMD code: around every packet and block size.
+inline const std::vector<Index>& awkward_lengths() {
+  static const std::vector<Index> v = {1,  2,   3,   7,   15,  16,   17,   31,   32,  33,
+                                       63, 64,  65,  127, 128, 129,  768,  1000, 1024, 4097};
+  return v;
+}
+
+}  // namespace nctest

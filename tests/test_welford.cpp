@@ -1,0 +1,106 @@
+// The statistics core: scalar Welford/Chan against two-pass double, and the
+// SIMD row and lane moments against the same.
+#include "test_util.hpp"
+
+namespace {
+
+using namespace nctest;
+using normcore::Welford;
+
+struct TwoPass {
+  double mean, m2;
+};
+template <typename T>
+TwoPass two_pass(const T* x, Index n, Index stride = 1) {
+  double s = 0;
+  for (Index i = 0; i < n; ++i) s += static_cast<double>(x[i * stride]);
+  const double m = s / static_cast<double>(n);
+  double q = 0;
+  for (Index i = 0; i < n; ++i) q += (static_cast<double>(x[i * stride]) - m) * (static_cast<double>(x[i * stride]) - m);
+  return {m, q};
+}
+
+TEST(Welford, UpdateAndMergeMatchTwoPass) {
+  const auto v = randn<double>(1000, 1, 5.0, 2.0);
+  Welford<double> all, a, b, c;
+  for (std::size_t i = 0; i < v.size(); ++i) {
+    all.update(v[i]);
+    (i < 300 ? a : i < 301 ? b : c).update(v[i]);
+  }
+  const TwoPass ref = two_pass(v.data(), 1000);
+  EXPECT_NEAR(all.mean(), ref.mean, 1e-14 * 5);
+  EXPECT_NEAR(all.m2(), ref.m2, 1e-12 * ref.m2);
+  Welford<double> merged = a;
+  merged.merge(b);
+  merged.merge(c);
+  merged.merge(Welford<double>());  // empty side changes nothing
+  EXPECT_EQ(merged.count(), 1000);
+  EXPECT_NEAR(merged.mean(), ref.mean, 1e-14 * 5);
+  EXPECT_NEAR(merged.m2(), ref.m2, 1e-12 * ref.m2);
+  EXPECT_NEAR(merged.variance(), ref.m2 / 1000, 1e-12);
+  EXPECT_NEAR(merged.sample_variance(), ref.m2 / 999, 1e-12);
+  Welford<double> empty;
+  empty.merge(a);
+  EXPECT_EQ(empty.mean(), a.mean());
+  EXPECT_TRUE(std::isnan(Welford<double>().variance()));
+  EXPECT_TRUE(std::isnan(Welford<double>::of(v.data(), 1).sample_variance()));
+  const auto of = Welford<double>::of(v.data(), 1000);
+  EXPECT_NEAR(of.m2(), ref.m2, 1e-12 * ref.m2);
+}
+
+template <typename T>
+class MomentsTest : public ::testing::Test {};
+using MomentTypes = ::testing::Types<float, double>;
+TYPED_TEST_SUITE(MomentsTest, MomentTypes);
+
+TYPED_TEST(MomentsTest, RowMomentsAnyLengthAnyAlignment) {
+  using T = TypeParam;
+  for (Index n : awkward_lengths()) {
+    for (Index misalign : {Index(0), Index(1), Index(3)}) {
+      for (double offset : {0.0, 100.0, 1e4}) {
+        auto v = randn<T>(static_cast<std::size_t>(n + misalign), unsigned(n), offset, 1.0);
+        const T* x = v.data() + misalign;
+        const auto w = normcore::row_moments(x, n);
+        const TwoPass ref = two_pass(x, n);
+        SCOPED_TRACE(::testing::Message() << "n=" << n << " misalign=" << misalign << " offset=" << offset);
+        EXPECT_EQ(w.count(), double(n));
+        // Our error plus the double reference's own (recursive sum over n terms).
+        EXPECT_NEAR(w.mean(), ref.mean, tol_elem<T>(std::fabs(offset) + 1.0, double(n)) + tol<double>(std::fabs(offset) + 1.0, double(n)));
+        EXPECT_NEAR(w.m2(), ref.m2, tol_elem<T>(ref.m2 + 1e-30, double(n)) + tol<double>(ref.m2, double(n)));
+      }
+    }
+  }
+}
+
+TYPED_TEST(MomentsTest, LongRowsFlushChunksToDouble) {
+  using T = TypeParam;
+  const Index n = 200003;  // many chunks of kChunk updates per lane
+  const auto v = randn<T>(static_cast<std::size_t>(n), 77, 1e3, 1.0);
+  const auto w = normcore::row_moments(v.data(), n);
+  const TwoPass ref = two_pass(v.data(), n);
+  EXPECT_NEAR(w.mean(), ref.mean, tol_elem<T>(1e3 + 1.0, double(n)) + tol<double>(1e3 + 1.0, double(n)));
+  EXPECT_NEAR(w.m2() / double(n), ref.m2 / double(n),
+              tol_elem<T>(ref.m2 / double(n), double(n)) + tol<double>(ref.m2 / double(n), double(n)));
+}
+
+TYPED_TEST(MomentsTest, LaneMomentsMatchTwoPassPerColumn) {
+  using T = TypeParam;
+  for (Index lanes : {Index(1), Index(3), Index(16), Index(21), Index(64)}) {
+    for (Index count : {Index(1), Index(2), Index(5), Index(600)}) {
+      const auto v = randn<T>(static_cast<std::size_t>(lanes * count), unsigned(lanes * 100 + count), 50.0, 3.0);
+      std::vector<Welford<double>> out(static_cast<std::size_t>(lanes));
+      normcore::lane_moments(v.data(), lanes, count, lanes, v.data(), out.data());
+      for (Index c = 0; c < lanes; ++c) {
+        const TwoPass ref = two_pass(v.data() + c, count, lanes);
+        const auto& w = out[static_cast<std::size_t>(c)];
+        SCOPED_TRACE(::testing::Message() << "lanes=" << lanes << " count=" << count << " c=" << c);
+        EXPECT_EQ(w.count(), double(count));
+        EXPECT_NEAR(double(v[static_cast<std::size_t>(c)]) + w.mean(), ref.mean, tol_elem<T>(50.0, double(count)));
+        // Each lane is a sequential recurrence over up to kChunk updates.
+        EXPECT_NEAR(w.m2(), ref.m2, tol<T>(ref.m2 + 1e-30, double(std::min<Index>(count, normcore::detail::kChunk))));
+      }
+    }
+  }
+}
+
+}  // namespace
