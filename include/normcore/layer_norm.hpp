@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "normcore/common.hpp"
+#include "normcore/detail/lanes.hpp"
 #include "normcore/detail/normalize.hpp"
 #include "normcore/statistics.hpp"
 
@@ -295,17 +296,12 @@ class LayerNorm {
       T* tx = tmp.data();
       T* ty = tx + L * n;
       T* tc = ty + L * n;
-      for (Index j = 0; j < n; ++j)
-        for (Index l = 0; l < L; ++l) tx[j * L + l] = xv.data[j * rows + r0 + std::min(l, m - 1)];
-      for (Index l = 0; l < L; ++l) {
-        const Index src = r0 + std::min(l, m - 1);
-        tc[l] = piv[src];
-        tc[L + l] = rs[src];
-        tc[2 * L + l] = sh[src];
-      }
+      detail::gather_lanes(xv.data, rows, r0, m, n, Index(L), tx);
+      detail::gather_values(piv, r0, m, Index(L), tc);
+      detail::gather_values(rs, r0, m, Index(L), tc + L);
+      detail::gather_values(sh, r0, m, Index(L), tc + 2 * L);
       normalize_lanes(tx, ty, L, n, tc, tc + L, tc + 2 * L, pv.gamma, pv.beta);
-      for (Index j = 0; j < n; ++j)
-        for (Index l = 0; l < m; ++l) out[j * rows + r0 + l] = ty[j * L + l];
+      detail::scatter_lanes(ty, rows, r0, m, n, Index(L), out);
     }
   }
 
@@ -514,21 +510,12 @@ class LayerNorm {
       T* tdy = tx + L * n;
       T* tdx = tdy + L * n;
       T* ts = tdx + L * n;
-      for (Index j = 0; j < n; ++j) {
-        for (Index l = 0; l < L; ++l) {
-          const Index src = j * rows + r0 + std::min(l, m - 1);
-          tx[j * L + l] = x[src];
-          tdy[j * L + l] = dy[src];
-        }
-      }
-      for (Index l = 0; l < L; ++l) {
-        ts[l] = mean[r0 + std::min(l, m - 1)];
-        ts[L + l] = rstd[r0 + std::min(l, m - 1)];
-      }
+      detail::gather_lanes(x, rows, r0, m, n, Index(L), tx);
+      detail::gather_lanes(dy, rows, r0, m, n, Index(L), tdy);
+      detail::gather_values(mean, r0, m, Index(L), ts);
+      detail::gather_values(rstd, r0, m, Index(L), ts + L);
       backward_lanes(tx, tdy, dx ? tdx : nullptr, L, n, ts, ts + L, gamma, dw, db, m);
-      if (dx)
-        for (Index j = 0; j < n; ++j)
-          for (Index l = 0; l < m; ++l) dx[j * rows + r0 + l] = tdx[j * L + l];
+      if (dx) detail::scatter_lanes(tdx, rows, r0, m, n, Index(L), dx);
     }
   }
 

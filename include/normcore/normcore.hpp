@@ -7,3 +7,4 @@
 #include "normcore/statistics.hpp"
 #include "normcore/common.hpp"
 #include "normcore/layer_norm.hpp"
+#include "normcore/rms_norm.hpp"

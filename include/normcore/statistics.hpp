@@ -250,4 +250,51 @@ void lane_moments(const T* x, Index stride, Index count, Index lanes, const T* p
   }
 }
 
+/// Sum of squares of x[0..n) in one pass: A independent packet accumulators
+/// in T, flushed into double every kChunk iterations and at the end, in a
+/// fixed order. May overflow or underflow T for extreme magnitudes; RMSNorm
+/// detects that and takes a scaled path.
+template <typename T>
+double row_sum_squares(const T* x, Index n) {
+  using namespace Eigen::internal;
+  using S = detail::simd<T>;
+  using Packet = typename S::Packet;
+  constexpr int L = S::L;
+  constexpr int A = S::A;
+  constexpr Index kBlock = Index(A) * L;
+  double total = 0;
+  Index i = 0;
+  const Index full = n / kBlock * kBlock;
+  while (i < full) {
+    const Index iters = std::min<Index>((full - i) / kBlock, detail::kChunk);
+    Packet acc[A];
+    for (int a = 0; a < A; ++a) acc[a] = pset1<Packet>(T(0));
+    for (Index it = 0; it < iters; ++it, i += kBlock) {
+      for (int a = 0; a < A; ++a) {
+        const Packet v = ploadu<Packet>(x + i + a * L);
+        acc[a] = pmadd(v, v, acc[a]);
+      }
+    }
+    alignas(64) T lanes[kBlock];
+    for (int a = 0; a < A; ++a) pstoreu(lanes + a * L, acc[a]);
+    double part = 0;
+    for (Index l = 0; l < kBlock; ++l) part += static_cast<double>(lanes[l]);
+    total += part;
+  }
+  for (; i < n; ++i) total += static_cast<double>(x[i]) * static_cast<double>(x[i]);
+  return total;
+}
+
+/// max |x[i]|, NaN if any x[i] is NaN.
+template <typename T>
+T max_abs(const T* x, Index n, Index stride = 1) {
+  T m = 0;
+  for (Index i = 0; i < n; ++i) {
+    const T a = std::fabs(x[i * stride]);
+    if (std::isnan(a)) return a;
+    m = std::max(m, a);
+  }
+  return m;
+}
+
 }  // namespace normcore

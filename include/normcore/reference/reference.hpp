@@ -3,3 +3,4 @@
 #pragma once
 
 #include "normcore/reference/layer_norm.hpp"
+#include "normcore/reference/rms_norm.hpp"

@@ -1,0 +1,182 @@
+// RMSNorm against the reference path, finite differences and extremes.
+#include "test_util.hpp"
+
+namespace {
+
+using namespace nctest;
+using normcore::NormStats;
+using normcore::RMSNorm;
+using normcore::RMSNormOptions;
+
+template <typename T>
+class RMSNormTest : public ::testing::Test {};
+using Types = ::testing::Types<float, double>;
+TYPED_TEST_SUITE(RMSNormTest, Types);
+
+template <typename T, int Layout>
+void check_rms(Index rows, Index n, unsigned seed, double scale) {
+  SCOPED_TRACE(::testing::Message() << "rows=" << rows << " n=" << n << " scale=" << scale
+                                    << (Layout == Eigen::RowMajor ? " RowMajor" : " ColMajor"));
+  RMSNorm<T> rn(RMSNormOptions({n}).eps(1e-6));
+  const auto gv = randn<T>(static_cast<std::size_t>(n), seed, 1.0, 0.5);
+  std::copy(gv.begin(), gv.end(), rn.weight().data());
+  const auto xl = randn<T>(static_cast<std::size_t>(rows * n), seed + 1, 0.3 * scale, scale);
+  const auto dyl = randn<T>(static_cast<std::size_t>(rows * n), seed + 2);
+  const bool rm = Layout == Eigen::RowMajor;
+  const auto xs = rm ? xl : to_colmajor(xl, rows, n);
+  const auto dys = rm ? dyl : to_colmajor(dyl, rows, n);
+  Eigen::TensorMap<const Eigen::Tensor<T, 2, Layout>> x(xs.data(), rows, n), dy(dys.data(), rows, n);
+  Eigen::Tensor<T, 2, Layout> y(rows, n), dx(rows, n);
+  NormStats<T> st;
+  rn.forward(x, y, st);
+  std::vector<long double> rref;
+  const auto ref = normcore::reference::rms_norm_forward(xl.data(), rows, n, rn.weight().data(), 1e-6, &rref);
+  const auto yl = rm ? std::vector<T>(y.data(), y.data() + y.size()) : from_colmajor(y.data(), rows, n);
+  EXPECT_LE(max_diff(yl.data(), ref), tol_elem<T>(max_abs(ref) + 1, double(n)));
+  for (Index r = 0; r < rows; ++r)
+    EXPECT_NEAR(double(st.rstd(r)) / double(rref[static_cast<std::size_t>(r)]), 1.0, tol_elem<T>(1.0, double(n)));
+  Eigen::Tensor<T, 1> dw;
+  rn.backward(x, dy, &dx, &dw, &st);
+  const auto gref = normcore::reference::rms_norm_backward(xl.data(), dyl.data(), rows, n, rn.weight().data(), 1e-6);
+  const auto dxl = rm ? std::vector<T>(dx.data(), dx.data() + dx.size()) : from_colmajor(dx.data(), rows, n);
+  double rmax = 0;
+  for (long double v : rref) rmax = std::max(rmax, double(v));
+  EXPECT_LE(max_diff(dxl.data(), gref.dx), tol_elem<T>(rmax * (max_abs(gref.dx) / rmax + 8), double(n)));
+  EXPECT_LE(max_diff(dw.data(), gref.dweight), tol<T>(max_abs(gref.dweight) + 16, double(rows) + 8));
+}
+
+TYPED_TEST(RMSNormTest, MatchesReferenceOnAwkwardLengthsBothLayouts) {
+  unsigned seed = 3;
+  for (Index n : awkward_lengths()) {
+    for (Index rows : {Index(1), Index(5), Index(19)}) {
+      check_rms<TypeParam, Eigen::RowMajor>(rows, n, seed, 1.0);
+      check_rms<TypeParam, Eigen::ColMajor>(rows, n, seed, 1.0);
+      seed += 5;
+    }
+  }
+}
+
+// Squares that overflow or underflow T: still the right answer.
+TYPED_TEST(RMSNormTest, ExtremeMagnitudes) {
+  using T = TypeParam;
+  const double big = std::is_same<T, float>::value ? 1e25 : 1e200;
+  const double tiny = std::is_same<T, float>::value ? 1e-25 : 1e-200;
+  for (double scale : {big, tiny}) {
+    for (Index n : {Index(7), Index(768)}) {
+      check_rms<T, Eigen::RowMajor>(3, n, 17, scale);
+      check_rms<T, Eigen::ColMajor>(3, n, 17, scale);
+    }
+  }
+  // eps = 0 and denormal inputs: y = x / rms(x) is O(1) and representable.
+  RMSNorm<T> rn(RMSNormOptions({4}).eps(0.0));
+  Eigen::Tensor<T, 2, Eigen::RowMajor> x(1, 4);
+  const T d = std::numeric_limits<T>::denorm_min();
+  x.setValues({{d, -d, d, -d}});
+  Eigen::Tensor<T, 2, Eigen::RowMajor> y = rn(x);
+  for (Index j = 0; j < 4; ++j) EXPECT_EQ(std::fabs(y(0, j)), T(1)) << j;
+}
+
+TYPED_TEST(RMSNormTest, DefaultEpsIsMachineEpsilonAndZeroRowIsZero) {
+  using T = TypeParam;
+  RMSNorm<T> rn(RMSNormOptions({8}));
+  EXPECT_EQ(rn.eps(), double(std::numeric_limits<T>::epsilon()));
+  Eigen::Tensor<T, 2, Eigen::RowMajor> x(2, 8);
+  x.setZero();
+  Eigen::Tensor<T, 2, Eigen::RowMajor> y = rn(x);
+  for (Index i = 0; i < y.size(); ++i) EXPECT_EQ(y.data()[i], T(0));
+}
+
+TEST(RMSNormGradient, MatchesCentralDifferences) {
+  for (Index n : {Index(1), Index(3), Index(17), Index(40)}) {
+    const Index rows = 3;
+    RMSNorm<double> rn(RMSNormOptions({n}).eps(1e-3));
+    const auto gv = randn<double>(static_cast<std::size_t>(n), 4, 1.0, 0.5);
+    std::copy(gv.begin(), gv.end(), rn.weight().data());
+    auto x = randn<double>(static_cast<std::size_t>(rows * n), 5, 0.2, 1.0);
+    const auto w = randn<double>(static_cast<std::size_t>(rows * n), 6);
+    Eigen::TensorMap<Eigen::Tensor<double, 2, Eigen::RowMajor>> xm(x.data(), rows, n);
+    Eigen::TensorMap<const Eigen::Tensor<double, 2, Eigen::RowMajor>> wm(w.data(), rows, n);
+    auto loss = [&]() {
+      Eigen::Tensor<double, 2, Eigen::RowMajor> y = rn(xm);
+      double s = 0;
+      for (Index i = 0; i < rows * n; ++i) s += y.data()[i] * w[static_cast<std::size_t>(i)];
+      return s;
+    };
+    const auto g = rn.backward(xm, wm);
+    EXPECT_EQ(g.dbias.size(), 0);
+    const double h = 1e-6;
+    for (Index i = 0; i < rows * n; ++i) {
+      double& v = x[static_cast<std::size_t>(i)];
+      const double keep = v;
+      v = keep + h;
+      const double lp = loss();
+      v = keep - h;
+      const double lm = loss();
+      v = keep;
+      EXPECT_NEAR(g.dx.data()[i], (lp - lm) / (2 * h), 1e-6 * (1 + std::fabs(g.dx.data()[i]))) << "n=" << n;
+    }
+    for (Index j = 0; j < n; ++j) {
+      double& p = rn.weight()(j);
+      const double keep = p;
+      p = keep + h;
+      const double lp = loss();
+      p = keep - h;
+      const double lm = loss();
+      p = keep;
+      EXPECT_NEAR(g.dweight(j), (lp - lm) / (2 * h), 1e-6 * (1 + std::fabs(g.dweight(j)))) << "n=" << n;
+    }
+  }
+}
+
+TEST(RMSNormVsLayerNorm, EqualWhenRowMeanIsZero) {
+  const Index n = 64;
+  auto v = randn<double>(static_cast<std::size_t>(n), 8);
+  double m = 0;
+  for (double a : v) m += a;
+  for (double& a : v) a -= m / n;  // zero-mean row
+  Eigen::TensorMap<const Eigen::Tensor<double, 2, Eigen::RowMajor>> x(v.data(), 1, n);
+  normcore::LayerNorm<double> ln(normcore::LayerNormOptions({n}).eps(1e-6));
+  RMSNorm<double> rn(RMSNormOptions({n}).eps(1e-6));
+  Eigen::Tensor<double, 2, Eigen::RowMajor> a = ln(x), b = rn(x);
+  for (Index j = 0; j < n; ++j) EXPECT_NEAR(a(0, j), b(0, j), 1e-12);
+}
+
+TEST(RMSNormErrors, ShapesAndMissingWeight) {
+  RMSNorm<float> rn(RMSNormOptions({16}));
+  Eigen::Tensor<float, 2, Eigen::RowMajor> x(2, 15);
+  x.setZero();
+  try {
+    (void)rn(x);
+    FAIL();
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("[16]"), std::string::npos);
+    EXPECT_NE(std::string(e.what()).find("[2, 15]"), std::string::npos);
+  }
+  RMSNorm<float> plain(RMSNormOptions({16}).elementwise_affine(false));
+  Eigen::Tensor<float, 2, Eigen::RowMajor> ok(2, 16);
+  ok.setZero();
+  Eigen::Tensor<float, 1> dw;
+  EXPECT_THROW(plain.backward(ok, ok, nullptr, &dw), std::invalid_argument);
+}
+
+TYPED_TEST(RMSNormTest, BatchIndependenceBitForBit) {
+  using T = TypeParam;
+  const Index rows = 21, n = 100, pick = 18;
+  RMSNorm<T> rn(RMSNormOptions({n}));
+  const auto xl = randn<T>(static_cast<std::size_t>(rows * n), 12);
+  const auto xc = to_colmajor(xl, rows, n);
+  Eigen::TensorMap<const Eigen::Tensor<T, 2, Eigen::ColMajor>> x(xc.data(), rows, n);
+  Eigen::Tensor<T, 2, Eigen::ColMajor> y = rn(x);
+  Eigen::TensorMap<const Eigen::Tensor<T, 2, Eigen::ColMajor>> x1(xl.data() + pick * n, 1, n);
+  Eigen::Tensor<T, 2, Eigen::ColMajor> y1 = rn(x1);
+  Eigen::TensorMap<const Eigen::Tensor<T, 2, Eigen::RowMajor>> xr(xl.data(), rows, n);
+  Eigen::Tensor<T, 2, Eigen::RowMajor> yr = rn(xr);
+  Eigen::TensorMap<const Eigen::Tensor<T, 2, Eigen::RowMajor>> xr1(xl.data() + pick * n, 1, n);
+  Eigen::Tensor<T, 2, Eigen::RowMajor> yr1 = rn(xr1);
+  for (Index j = 0; j < n; ++j) {
+    ASSERT_EQ(std::memcmp(&y(pick, j), &y1(0, j), sizeof(T)), 0);
+    ASSERT_EQ(std::memcmp(&yr(pick, j), &yr1(0, j), sizeof(T)), 0);
+  }
+}
+
+}  // namespace
