@@ -8,3 +8,4 @@
 #include "normcore/common.hpp"
 #include "normcore/layer_norm.hpp"
 #include "normcore/rms_norm.hpp"
+#include "normcore/batch_norm.hpp"

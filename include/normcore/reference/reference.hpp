@@ -4,3 +4,4 @@
 
 #include "normcore/reference/layer_norm.hpp"
 #include "normcore/reference/rms_norm.hpp"
+#include "normcore/reference/batch_norm.hpp"

@@ -1,0 +1,526 @@
+// normcore::BatchNorm: PyTorch's nn.BatchNorm1d/2d/3d over Eigen tensors.
+//
+//   normcore::BatchNorm<float> bn(normcore::BatchNormOptions(64).momentum(0.1));
+//   Eigen::Tensor<float, 4, Eigen::RowMajor> y = bn(x);   // (N, C, H, W), training
+//   bn.eval();  y = bn(x);                                 // running statistics
+//   normcore::BatchNorm<float> nhwc(normcore::BatchNormOptions(64).channel_axis(-1));
+//
+// Statistics per channel over every other dim. Training normalizes with the
+// batch mean and biased variance and updates the running statistics with the
+// unbiased variance: running = (1 - m) * running + m * batch (m = 1 /
+// num_batches_tracked when momentum is unset). Not thread-safe in training
+// mode (the running statistics change); eval mode is const in effect.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "normcore/common.hpp"
+#include "normcore/detail/normalize.hpp"
+#include "normcore/statistics.hpp"
+
+namespace normcore {
+
+/// Options of BatchNorm, named as in the libtorch C++ frontend.
+class BatchNormOptions {
+ public:
+  /* implicit */ BatchNormOptions(Index num_features) : num_features_(num_features) {}
+  BatchNormOptions& num_features(Index v) {
+    num_features_ = v;
+    return *this;
+  }
+  Index num_features() const { return num_features_; }
+  /// Added to the variance. Default 1e-5.
+  BatchNormOptions& eps(double v) {
+    eps_ = v;
+    return *this;
+  }
+  double eps() const { return eps_; }
+  /// Weight of the new batch in the running statistics. Default 0.1;
+  /// std::nullopt means the cumulative average (1 / num_batches_tracked).
+  BatchNormOptions& momentum(std::optional<double> v) {
+    momentum_ = v;
+    return *this;
+  }
+  const std::optional<double>& momentum() const { return momentum_; }
+  /// Learnable per-channel weight and bias. Default true.
+  BatchNormOptions& affine(bool v) {
+    affine_ = v;
+    return *this;
+  }
+  bool affine() const { return affine_; }
+  /// Keep running statistics (used in eval mode). Default true. Without
+  /// them, batch statistics are used in both modes.
+  BatchNormOptions& track_running_stats(bool v) {
+    track_running_stats_ = v;
+    return *this;
+  }
+  bool track_running_stats() const { return track_running_stats_; }
+  /// The logical dim holding the channels. Default 1, as PyTorch (N, C, ...);
+  /// negative counts from the end, so -1 serves channels-last data (N, H, W, C).
+  BatchNormOptions& channel_axis(int v) {
+    channel_axis_ = v;
+    return *this;
+  }
+  int channel_axis() const { return channel_axis_; }
+
+ private:
+  Index num_features_;
+  double eps_ = 1e-5;
+  std::optional<double> momentum_ = 0.1;
+  bool affine_ = true;
+  bool track_running_stats_ = true;
+  int channel_axis_ = 1;
+};
+
+/// Batch normalization. T is float or double.
+template <typename T>
+class BatchNorm {
+  static_assert(std::is_same<T, float>::value || std::is_same<T, double>::value,
+                "normcore::BatchNorm<T>: T must be float or double");
+
+ public:
+  using Scalar = T;
+
+  explicit BatchNorm(BatchNormOptions options) : options_(std::move(options)) {
+    const Index C = options_.num_features();
+    if (C <= 0) detail::fail(std::string(kWho) + ": expected num_features > 0, got " + std::to_string(C));
+    if (!(options_.eps() >= 0.0) || !std::isfinite(options_.eps()))
+      detail::fail(std::string(kWho) + ": expected eps >= 0 and finite, got " + std::to_string(options_.eps()));
+    if (options_.momentum() && !(*options_.momentum() >= 0.0 && *options_.momentum() <= 1.0))
+      detail::fail(std::string(kWho) + ": expected momentum in [0, 1] or unset, got " +
+                   std::to_string(*options_.momentum()));
+    if (options_.affine()) {
+      weight_.resize(C);
+      weight_.setConstant(T(1));
+      bias_.resize(C);
+      bias_.setZero();
+    }
+    if (options_.track_running_stats()) {
+      running_mean_.resize(C);
+      running_mean_.setZero();
+      running_var_.resize(C);
+      running_var_.setConstant(T(1));
+    }
+  }
+
+  const BatchNormOptions& options() const { return options_; }
+  /// Training mode (the default) or eval mode.
+  void train(bool on = true) { training_ = on; }
+  void eval() { training_ = false; }
+  bool is_training() const { return training_; }
+
+  Eigen::Tensor<T, 1>& weight() { return weight_; }
+  const Eigen::Tensor<T, 1>& weight() const { return weight_; }
+  Eigen::Tensor<T, 1>& bias() { return bias_; }
+  const Eigen::Tensor<T, 1>& bias() const { return bias_; }
+  /// Running statistics; empty with track_running_stats(false).
+  Eigen::Tensor<T, 1>& running_mean() { return running_mean_; }
+  const Eigen::Tensor<T, 1>& running_mean() const { return running_mean_; }
+  Eigen::Tensor<T, 1>& running_var() { return running_var_; }
+  const Eigen::Tensor<T, 1>& running_var() const { return running_var_; }
+  std::int64_t num_batches_tracked() const { return num_batches_tracked_; }
+
+  /// Allocating forward (updates the running statistics in training mode).
+  template <typename X>
+  auto operator()(const X& x) {
+    auto y = detail::make_like(x);
+    forward(x, y);
+    return y;
+  }
+
+  template <typename X, typename Y>
+  void forward(const X& x, Y&& y) {
+    forward_impl(x, y, nullptr);
+  }
+
+  /// Also saves the per-channel mean and invstd used (batch statistics when
+  /// they are used, else the running ones) for backward.
+  template <typename X, typename Y>
+  void forward(const X& x, Y&& y, NormStats<T>& saved) {
+    forward_impl(x, y, &saved);
+  }
+
+  /// Any subset of dx, dweight, dbias. In training mode (or without running
+  /// statistics) the gradient flows through the batch mean and variance
+  /// (saved, or recomputed from x); in eval mode through fixed running
+  /// statistics.
+  template <typename X, typename DY, typename DX>
+  void backward(const X& x, const DY& dy, DX* dx, Eigen::Tensor<T, 1>* dweight,
+                Eigen::Tensor<T, 1>* dbias, const NormStats<T>* saved = nullptr) const {
+    detail::check_scalar<T, DX>();
+    detail::check_layouts<X, DX>();
+    if (dx) detail::check_same_shape(kWho, "dx", x, *dx);
+    backward_impl(x, dy, dx ? dx->data() : nullptr, dweight, dbias, saved);
+  }
+
+  template <typename X, typename DY>
+  void backward(const X& x, const DY& dy, std::nullptr_t, Eigen::Tensor<T, 1>* dweight,
+                Eigen::Tensor<T, 1>* dbias, const NormStats<T>* saved = nullptr) const {
+    backward_impl(x, dy, static_cast<T*>(nullptr), dweight, dbias, saved);
+  }
+
+  template <typename X, typename DY>
+  auto backward(const X& x, const DY& dy, const NormStats<T>* saved = nullptr) const {
+    using Tr = detail::tensor_traits<X>;
+    Gradients<T, Tr::rank, Tr::layout> g;
+    g.dx = detail::make_like(x);
+    backward(x, dy, &g.dx, weight_.size() ? &g.dweight : nullptr,
+             bias_.size() ? &g.dbias : nullptr, saved);
+    return g;
+  }
+
+ private:
+  static constexpr const char* kWho = "normcore::BatchNorm";
+
+  // Memory view: element (o, c, i) at data[(o * C + c) * inner + i].
+  struct View {
+    Index outer, C, inner;
+    std::vector<Index> dims;
+  };
+
+  template <typename X>
+  View view_of(const X& x) const {
+    using Tr = detail::tensor_traits<X>;
+    View v;
+    v.dims = detail::dims_of(x);
+    const int rank = Tr::rank;
+    const int axis = options_.channel_axis() < 0 ? rank + options_.channel_axis() : options_.channel_axis();
+    if (rank < 2 || axis < 0 || axis >= rank) {
+      detail::fail(std::string(kWho) + ": expected input of rank >= 2 with channel axis " +
+                   std::to_string(options_.channel_axis()) + ", got input of shape " +
+                   detail::shape_string(v.dims));
+    }
+    if (v.dims[static_cast<std::size_t>(axis)] != options_.num_features()) {
+      detail::fail(std::string(kWho) + ": expected " + std::to_string(options_.num_features()) +
+                   " channels in dim " + std::to_string(axis) + ", got input of shape " +
+                   detail::shape_string(v.dims));
+    }
+    const Index before = detail::product(v.dims, 0, static_cast<std::size_t>(axis));
+    const Index after = detail::product(v.dims, static_cast<std::size_t>(axis) + 1, v.dims.size());
+    const bool rm = Tr::layout == Eigen::RowMajor;
+    v.outer = rm ? before : after;  // ColMajor: the leading logical dims vary fastest
+    v.inner = rm ? after : before;
+    v.C = options_.num_features();
+    return v;
+  }
+
+  bool uses_batch_stats() const { return training_ || !options_.track_running_stats(); }
+
+  // Per-channel Welford states (pivot-shifted by the channel's first value).
+  void channel_moments(const T* x, const View& v, std::vector<T>& pivot,
+                       std::vector<Welford<double>>& w) const {
+    const Index C = v.C;
+    pivot.resize(static_cast<std::size_t>(C));
+    w.assign(static_cast<std::size_t>(C), Welford<double>());
+    for (Index c = 0; c < C; ++c) pivot[static_cast<std::size_t>(c)] = x[c * v.inner];
+    if (v.inner == 1) {  // channels-last: rows of C values, one lane per channel
+      lane_moments(x, C, v.outer, C, pivot.data(), w.data());
+      return;
+    }
+    for (Index o = 0; o < v.outer; ++o)
+      for (Index c = 0; c < C; ++c)
+        w[static_cast<std::size_t>(c)].merge(
+            row_moments(x + (o * C + c) * v.inner, v.inner, pivot[static_cast<std::size_t>(c)]));
+  }
+
+  template <typename X, typename Y>
+  void forward_impl(const X& x, Y& y, NormStats<T>* saved) {
+    detail::check_scalar<T, X>();
+    detail::check_scalar<T, Y>();
+    detail::check_layouts<X, Y>();
+    static_assert(detail::tensor_traits<Y>::writable, "normcore: the output must be writable");
+    const View v = view_of(x);
+    detail::check_same_shape(kWho, "output", x, y);
+    const Index C = v.C;
+    const double eps = options_.eps();
+    std::vector<detail::NormCoeffs<T>> k(static_cast<std::size_t>(C));
+    if (uses_batch_stats()) {
+      const Index count = v.outer * v.inner;
+      if (training_ && count <= 1) {
+        detail::fail(std::string(kWho) + ": expected more than 1 value per channel when training, "
+                                         "got input of shape " + detail::shape_string(v.dims));
+      }
+      if (count == 0) {
+        if (saved) {
+          detail::resize_vector(saved->mean, C);
+          detail::resize_vector(saved->rstd, C);
+        }
+        return;
+      }
+      std::vector<T> pivot;
+      std::vector<Welford<double>> w;
+      channel_moments(x.data(), v, pivot, w);
+      for (Index c = 0; c < C; ++c) {
+        const auto& wc = w[static_cast<std::size_t>(c)];
+        k[static_cast<std::size_t>(c)] = detail::norm_coeffs<T>(pivot[static_cast<std::size_t>(c)], wc.mean(), wc.variance(), eps);
+      }
+      if (training_ && options_.track_running_stats()) {
+        ++num_batches_tracked_;
+        const double f = options_.momentum() ? *options_.momentum() : 1.0 / static_cast<double>(num_batches_tracked_);
+        for (Index c = 0; c < C; ++c) {
+          const auto& wc = w[static_cast<std::size_t>(c)];
+          const double mean = static_cast<double>(pivot[static_cast<std::size_t>(c)]) + wc.mean();
+          running_mean_(c) = static_cast<T>((1 - f) * static_cast<double>(running_mean_(c)) + f * mean);
+          running_var_(c) = static_cast<T>((1 - f) * static_cast<double>(running_var_(c)) + f * wc.sample_variance());
+        }
+      }
+    } else {
+      for (Index c = 0; c < C; ++c)
+        k[static_cast<std::size_t>(c)] = detail::norm_coeffs<T>(running_mean_(c), 0.0, static_cast<double>(running_var_(c)), eps);
+    }
+    if (saved) {
+      detail::resize_vector(saved->mean, C);
+      detail::resize_vector(saved->rstd, C);
+      for (Index c = 0; c < C; ++c) {
+        saved->mean(c) = k[static_cast<std::size_t>(c)].mean;
+        saved->rstd(c) = k[static_cast<std::size_t>(c)].rstd;
+      }
+    }
+    normalize(x.data(), y.data(), v, k);
+  }
+
+  // y = fma(x - pivot, rstd * gamma, beta - shift * gamma): the affine
+  // transform folded into two per-channel constants.
+  void normalize(const T* x, T* y, const View& v, const std::vector<detail::NormCoeffs<T>>& k) const {
+    using namespace Eigen::internal;
+    using Packet = typename detail::simd<T>::Packet;
+    constexpr int L = detail::simd<T>::L;
+    const Index C = v.C;
+    std::vector<T> piv(static_cast<std::size_t>(C)), sc(static_cast<std::size_t>(C)), bs(static_cast<std::size_t>(C));
+    for (Index c = 0; c < C; ++c) {
+      const auto& kc = k[static_cast<std::size_t>(c)];
+      const double g = weight_.size() ? static_cast<double>(weight_(c)) : 1.0;
+      const double b = bias_.size() ? static_cast<double>(bias_(c)) : 0.0;
+      piv[static_cast<std::size_t>(c)] = kc.pivot;
+      sc[static_cast<std::size_t>(c)] = static_cast<T>(static_cast<double>(kc.rstd) * g);
+      bs[static_cast<std::size_t>(c)] = static_cast<T>(b - static_cast<double>(kc.shift) * g);
+    }
+    if (v.inner == 1) {
+      for (Index o = 0; o < v.outer; ++o) {
+        const T* xr = x + o * C;
+        T* yr = y + o * C;
+        Index c = 0;
+        for (; c + L <= C; c += L) {
+          const Packet d = psub(ploadu<Packet>(xr + c), ploadu<Packet>(piv.data() + c));
+          pstoreu(yr + c, pmadd(d, ploadu<Packet>(sc.data() + c), ploadu<Packet>(bs.data() + c)));
+        }
+        for (; c < C; ++c) {
+          const std::size_t cc = static_cast<std::size_t>(c);
+          yr[c] = detail::madd(xr[c] - piv[cc], sc[cc], bs[cc]);
+        }
+      }
+      return;
+    }
+    for (Index o = 0; o < v.outer; ++o) {
+      for (Index c = 0; c < C; ++c) {
+        const std::size_t cc = static_cast<std::size_t>(c);
+        const T* xs = x + (o * C + c) * v.inner;
+        T* ys = y + (o * C + c) * v.inner;
+        const Packet pp = pset1<Packet>(piv[cc]), ps = pset1<Packet>(sc[cc]), pb = pset1<Packet>(bs[cc]);
+        Index i = 0;
+        for (; i + L <= v.inner; i += L) pstoreu(ys + i, pmadd(psub(ploadu<Packet>(xs + i), pp), ps, pb));
+        for (; i < v.inner; ++i) ys[i] = detail::madd(xs[i] - piv[cc], sc[cc], bs[cc]);
+      }
+    }
+  }
+
+  // Per channel: sg = sum dy, sgd = sum dy * d, sd = sum d with d = x - mean.
+  void channel_sums(const T* x, const T* dy, const View& v, const T* mean, double* sg, double* sgd,
+                    double* sd) const {
+    using namespace Eigen::internal;
+    using Packet = typename detail::simd<T>::Packet;
+    constexpr int L = detail::simd<T>::L;
+    const Index C = v.C;
+    for (Index c = 0; c < C; ++c) sg[c] = sgd[c] = sd[c] = 0;
+    if (v.inner == 1) {
+      // Rows of C: per-channel sums in T over chunks of rows, added in double.
+      std::vector<T> a(static_cast<std::size_t>(3 * C));
+      for (Index o0 = 0; o0 < v.outer; o0 += detail::kChunk) {
+        const Index o1 = std::min<Index>(v.outer, o0 + detail::kChunk);
+        std::fill(a.begin(), a.end(), T(0));
+        for (Index o = o0; o < o1; ++o) {
+          const T* xr = x + o * C;
+          const T* gr = dy + o * C;
+          Index c = 0;
+          for (; c + L <= C; c += L) {
+            const Packet g = ploadu<Packet>(gr + c);
+            const Packet d = psub(ploadu<Packet>(xr + c), ploadu<Packet>(mean + c));
+            pstoreu(a.data() + c, padd(ploadu<Packet>(a.data() + c), g));
+            pstoreu(a.data() + C + c, pmadd(g, d, ploadu<Packet>(a.data() + C + c)));
+            pstoreu(a.data() + 2 * C + c, padd(ploadu<Packet>(a.data() + 2 * C + c), d));
+          }
+          for (; c < C; ++c) {
+            const T d = xr[c] - mean[c];
+            a[static_cast<std::size_t>(c)] += gr[c];
+            a[static_cast<std::size_t>(C + c)] = detail::madd(gr[c], d, a[static_cast<std::size_t>(C + c)]);
+            a[static_cast<std::size_t>(2 * C + c)] += d;
+          }
+        }
+        for (Index c = 0; c < C; ++c) {
+          sg[c] += static_cast<double>(a[static_cast<std::size_t>(c)]);
+          sgd[c] += static_cast<double>(a[static_cast<std::size_t>(C + c)]);
+          sd[c] += static_cast<double>(a[static_cast<std::size_t>(2 * C + c)]);
+        }
+      }
+      return;
+    }
+    for (Index o = 0; o < v.outer; ++o) {
+      for (Index c = 0; c < C; ++c) {
+        const T* xs = x + (o * C + c) * v.inner;
+        const T* gs = dy + (o * C + c) * v.inner;
+        const Packet pm = pset1<Packet>(mean[c]);
+        Packet a0 = pset1<Packet>(T(0)), a1 = a0, a2 = a0;
+        Index i = 0;
+        for (; i + L <= v.inner; i += L) {
+          const Packet g = ploadu<Packet>(gs + i);
+          const Packet d = psub(ploadu<Packet>(xs + i), pm);
+          a0 = padd(a0, g);
+          a1 = pmadd(g, d, a1);
+          a2 = padd(a2, d);
+        }
+        double s0 = static_cast<double>(predux(a0)), s1 = static_cast<double>(predux(a1)),
+               s2 = static_cast<double>(predux(a2));
+        for (; i < v.inner; ++i) {
+          const double d = static_cast<double>(xs[i] - mean[c]);
+          s0 += static_cast<double>(gs[i]);
+          s1 += static_cast<double>(gs[i]) * d;
+          s2 += d;
+        }
+        sg[c] += s0;
+        sgd[c] += s1;
+        sd[c] += s2;
+      }
+    }
+  }
+
+  template <typename X, typename DY>
+  void backward_impl(const X& x, const DY& dy, T* dx, Eigen::Tensor<T, 1>* dweight,
+                     Eigen::Tensor<T, 1>* dbias, const NormStats<T>* saved) const {
+    using namespace Eigen::internal;
+    using Packet = typename detail::simd<T>::Packet;
+    constexpr int L = detail::simd<T>::L;
+    detail::check_scalar<T, X>();
+    detail::check_scalar<T, DY>();
+    detail::check_layouts<X, DY>();
+    const View v = view_of(x);
+    detail::check_same_shape(kWho, "dy", x, dy);
+    if ((dweight || dbias) && !weight_.size())
+      detail::fail(std::string(kWho) + ": dweight/dbias requested but the layer is not affine");
+    const Index C = v.C;
+    if (saved) {
+      detail::check_stats(kWho, saved->mean, "mean", C);
+      detail::check_stats(kWho, saved->rstd, "rstd", C);
+    }
+    std::vector<T> mean(static_cast<std::size_t>(C)), rstd(static_cast<std::size_t>(C));
+    const bool batch = uses_batch_stats();
+    if (saved) {
+      for (Index c = 0; c < C; ++c) {
+        mean[static_cast<std::size_t>(c)] = saved->mean(c);
+        rstd[static_cast<std::size_t>(c)] = saved->rstd(c);
+      }
+    } else if (batch) {
+      std::vector<T> pivot;
+      std::vector<Welford<double>> w;
+      channel_moments(x.data(), v, pivot, w);
+      for (Index c = 0; c < C; ++c) {
+        const auto& wc = w[static_cast<std::size_t>(c)];
+        const auto k = detail::norm_coeffs<T>(pivot[static_cast<std::size_t>(c)], wc.mean(), wc.variance(), options_.eps());
+        mean[static_cast<std::size_t>(c)] = k.mean;
+        rstd[static_cast<std::size_t>(c)] = k.rstd;
+      }
+    } else {
+      for (Index c = 0; c < C; ++c) {
+        mean[static_cast<std::size_t>(c)] = running_mean_(c);
+        rstd[static_cast<std::size_t>(c)] = static_cast<T>(1.0 / std::sqrt(static_cast<double>(running_var_(c)) + options_.eps()));
+      }
+    }
+    const Index count = v.outer * v.inner;
+    std::vector<double> sums(static_cast<std::size_t>(3 * C));
+    double* sg = sums.data();
+    double* sgd = sg + C;
+    double* sd = sgd + C;
+    if (count > 0) channel_sums(x.data(), dy.data(), v, mean.data(), sg, sgd, sd);
+    // Per channel: dx = fma(dy, a, -fma(d, k3, k4)) with d = x - mean.
+    std::vector<T> a(static_cast<std::size_t>(C)), k3(static_cast<std::size_t>(C)), k4(static_cast<std::size_t>(C)),
+        piv(mean);
+    for (Index c = 0; c < C; ++c) {
+      const std::size_t cc = static_cast<std::size_t>(c);
+      const double g = weight_.size() ? static_cast<double>(weight_(c)) : 1.0;
+      const double r = static_cast<double>(rstd[cc]);
+      a[cc] = static_cast<T>(g * r);
+      if (batch && count > 0) {
+        const double inv_n = 1.0 / static_cast<double>(count);
+        const double delta = sd[c] * inv_n;
+        const double mean_g = sg[c] * inv_n;
+        const double mean_gx = r * (sgd[c] - delta * sg[c]) * inv_n;
+        k3[cc] = static_cast<T>(g * r * r * mean_gx);
+        k4[cc] = static_cast<T>(g * (r * mean_g - delta * r * r * mean_gx));
+      } else {
+        k3[cc] = k4[cc] = T(0);
+      }
+    }
+    if (dweight) {
+      detail::resize_vector(*dweight, C);
+      for (Index c = 0; c < C; ++c) {
+        const double r = static_cast<double>(rstd[static_cast<std::size_t>(c)]);
+        const double delta = batch && count > 0 ? sd[c] / static_cast<double>(count) : 0.0;
+        (*dweight)(c) = static_cast<T>(r * (sgd[c] - delta * sg[c]));
+      }
+    }
+    if (dbias) {
+      detail::resize_vector(*dbias, C);
+      for (Index c = 0; c < C; ++c) (*dbias)(c) = static_cast<T>(sg[c]);
+    }
+    if (!dx) return;
+    const T* xp = x.data();
+    const T* gp = dy.data();
+    if (v.inner == 1) {
+      for (Index o = 0; o < v.outer; ++o) {
+        Index c = 0;
+        for (; c + L <= C; c += L) {
+          const Packet d = psub(ploadu<Packet>(xp + o * C + c), ploadu<Packet>(piv.data() + c));
+          const Packet inner = pmadd(d, ploadu<Packet>(k3.data() + c), ploadu<Packet>(k4.data() + c));
+          pstoreu(dx + o * C + c, pmadd(ploadu<Packet>(gp + o * C + c), ploadu<Packet>(a.data() + c), pnegate(inner)));
+        }
+        for (; c < C; ++c) {
+          const std::size_t cc = static_cast<std::size_t>(c);
+          const T d = xp[o * C + c] - piv[cc];
+          dx[o * C + c] = detail::madd(gp[o * C + c], a[cc], -detail::madd(d, k3[cc], k4[cc]));
+        }
+      }
+      return;
+    }
+    for (Index o = 0; o < v.outer; ++o) {
+      for (Index c = 0; c < C; ++c) {
+        const std::size_t cc = static_cast<std::size_t>(c);
+        const Index base = (o * C + c) * v.inner;
+        const Packet pp = pset1<Packet>(piv[cc]), pa = pset1<Packet>(a[cc]), p3 = pset1<Packet>(k3[cc]),
+                     p4 = pset1<Packet>(k4[cc]);
+        Index i = 0;
+        for (; i + L <= v.inner; i += L) {
+          const Packet d = psub(ploadu<Packet>(xp + base + i), pp);
+          pstoreu(dx + base + i, pmadd(ploadu<Packet>(gp + base + i), pa, pnegate(pmadd(d, p3, p4))));
+        }
+        for (; i < v.inner; ++i) {
+          const T d = xp[base + i] - piv[cc];
+          dx[base + i] = detail::madd(gp[base + i], a[cc], -detail::madd(d, k3[cc], k4[cc]));
+        }
+      }
+    }
+  }
+
+  BatchNormOptions options_;
+  bool training_ = true;
+  Eigen::Tensor<T, 1> weight_;
+  Eigen::Tensor<T, 1> bias_;
+  Eigen::Tensor<T, 1> running_mean_;
+  Eigen::Tensor<T, 1> running_var_;
+  std::int64_t num_batches_tracked_ = 0;
+};
+
+}  // namespace normcore

@@ -1,0 +1,263 @@
+// BatchNorm against the reference path, finite differences and PyTorch's
+// semantics; and the LayerNorm/BatchNorm contrast the library teaches.
+#include "test_util.hpp"
+
+namespace {
+
+using namespace nctest;
+using normcore::BatchNorm;
+using normcore::BatchNormOptions;
+using normcore::NormStats;
+
+template <typename T>
+class BatchNormTest : public ::testing::Test {};
+using Types = ::testing::Types<float, double>;
+TYPED_TEST_SUITE(BatchNormTest, Types);
+
+template <typename T>
+void randomize(BatchNorm<T>& bn, unsigned seed) {
+  const auto C = static_cast<std::size_t>(bn.options().num_features());
+  const auto g = randn<T>(C, seed, 1.0, 0.5), b = randn<T>(C, seed + 1, 0.0, 0.5);
+  std::copy(g.begin(), g.end(), bn.weight().data());
+  std::copy(b.begin(), b.end(), bn.bias().data());
+}
+
+// NCHW (RowMajor), the same data channels-last (N, H, W, C) and as a ColMajor
+// tensor: all against the reference, all giving the same numbers.
+template <typename T>
+void check_nchw(Index N, Index C, Index H, Index W, unsigned seed, double offset) {
+  SCOPED_TRACE(::testing::Message() << N << "x" << C << "x" << H << "x" << W << " offset " << offset);
+  BatchNorm<T> bn{BatchNormOptions(C)};
+  randomize(bn, seed);
+  Eigen::Tensor<T, 4, Eigen::RowMajor> x(N, C, H, W), dy(N, C, H, W);
+  const auto xv = randn<T>(static_cast<std::size_t>(x.size()), seed + 2, offset, 2.0);
+  const auto dv = randn<T>(static_cast<std::size_t>(x.size()), seed + 3);
+  std::copy(xv.begin(), xv.end(), x.data());
+  std::copy(dv.begin(), dv.end(), dy.data());
+  const Index inner = H * W;
+  const auto st = normcore::reference::channel_stats(xv.data(), N, C, inner);
+  const auto ref = normcore::reference::batch_norm_forward(xv.data(), N, C, inner, st.mean, st.var,
+                                                           bn.weight().data(), bn.bias().data(), 1e-5);
+  const auto gref = normcore::reference::batch_norm_backward(xv.data(), dv.data(), N, C, inner, st.mean, st.var,
+                                                             bn.weight().data(), 1e-5, true);
+  double rmax = 0;
+  for (double v : st.var) rmax = std::max(rmax, 1 / std::sqrt(v + 1e-5));
+  const double n = double(N * inner);
+  const double quant = std::fabs(offset) * rmax;
+  const double ytol = tol_elem<T>(max_abs(ref) + 1 + 2 * quant, n);
+
+  Eigen::Tensor<T, 4, Eigen::RowMajor> y(N, C, H, W);
+  NormStats<T> s;
+  bn.forward(x, y, s);
+  EXPECT_LE(max_diff(y.data(), ref), ytol);
+  for (Index c = 0; c < C; ++c) EXPECT_NEAR(s.mean(c), st.mean[static_cast<std::size_t>(c)], tol_elem<T>(std::fabs(offset) + 2, n));
+  auto g = bn.backward(x, dy, &s);
+  const double dxtol = tol_elem<T>(rmax * 8 * (1 + quant), n);
+  EXPECT_LE(max_diff(g.dx.data(), gref.dx), dxtol);
+  EXPECT_LE(max_diff(g.dweight.data(), gref.dweight), tol<T>(max_abs(gref.dweight) + 4 * (1 + quant), n));
+  EXPECT_LE(max_diff(g.dbias.data(), gref.dbias), tol<T>(max_abs(gref.dbias) + 4, n));
+
+  // Channels-last: (N, H, W, C) with the channel axis last.
+  const Eigen::array<int, 4> to_nhwc{{0, 2, 3, 1}}, to_nchw{{0, 3, 1, 2}};
+  Eigen::Tensor<T, 4, Eigen::RowMajor> xl = x.shuffle(to_nhwc), dyl = dy.shuffle(to_nhwc);
+  BatchNorm<T> bl(BatchNormOptions(C).channel_axis(-1));
+  bl.weight() = bn.weight();
+  bl.bias() = bn.bias();
+  Eigen::Tensor<T, 4, Eigen::RowMajor> yl = bl(xl);
+  Eigen::Tensor<T, 4, Eigen::RowMajor> yl_nchw = yl.shuffle(to_nchw);
+  EXPECT_LE(max_diff(yl_nchw.data(), ref), ytol);
+  auto gl = bl.backward(xl, dyl);
+  Eigen::Tensor<T, 4, Eigen::RowMajor> dxl = gl.dx.shuffle(to_nchw);
+  EXPECT_LE(max_diff(dxl.data(), gref.dx), dxtol);
+  EXPECT_LE(max_diff(gl.dweight.data(), gref.dweight), tol<T>(max_abs(gref.dweight) + 4 * (1 + quant), n));
+  for (Index c = 0; c < C; ++c) {
+    EXPECT_NEAR(bl.running_mean()(c), bn.running_mean()(c), tol_elem<T>(std::fabs(offset) + 2, n));
+    EXPECT_NEAR(bl.running_var()(c), bn.running_var()(c), tol_elem<T>(8, n));
+  }
+
+  // ColMajor storage of the same logical NCHW tensor.
+  const Eigen::array<int, 4> rev{{3, 2, 1, 0}};
+  Eigen::Tensor<T, 4, Eigen::ColMajor> xc = x.swap_layout().shuffle(rev);
+  BatchNorm<T> bc{BatchNormOptions(C)};
+  bc.weight() = bn.weight();
+  bc.bias() = bn.bias();
+  Eigen::Tensor<T, 4, Eigen::ColMajor> yc = bc(xc);
+  Eigen::Tensor<T, 4, Eigen::RowMajor> yc_rm = yc.swap_layout().shuffle(rev);
+  EXPECT_LE(max_diff(yc_rm.data(), ref), ytol);
+}
+
+TYPED_TEST(BatchNormTest, TrainingForwardBackwardAllLayouts) {
+  unsigned seed = 1;
+  for (Index hw : {Index(1), Index(3), Index(5), Index(17), Index(33)}) {
+    for (Index C : {Index(1), Index(3), Index(16), Index(21)}) {
+      check_nchw<TypeParam>(4, C, hw, hw == 1 ? 1 : 2, seed++, 0.5);
+    }
+  }
+  check_nchw<TypeParam>(8, 19, 7, 7, 99, 1e4);
+  check_nchw<TypeParam>(300, 5, 1, 1, 98, 3.0);  // (N, C) with many rows
+}
+
+TYPED_TEST(BatchNormTest, RunningStatisticsFollowPyTorch) {
+  using T = TypeParam;
+  for (std::optional<double> m : {std::optional<double>(0.1), std::optional<double>(0.3), std::optional<double>()}) {
+    const Index N = 6, C = 4, S = 5;
+    BatchNorm<T> bn(BatchNormOptions(C).momentum(m));
+    std::vector<double> rm(C, 0.0), rv(C, 1.0);
+    for (int step = 1; step <= 4; ++step) {
+      Eigen::Tensor<T, 3, Eigen::RowMajor> x(N, C, S);
+      const auto v = randn<T>(static_cast<std::size_t>(x.size()), unsigned(step * 7), step * 0.5, 1.0 + step);
+      std::copy(v.begin(), v.end(), x.data());
+      (void)bn(x);
+      const auto st = normcore::reference::channel_stats(v.data(), N, C, S);
+      const double f = m ? *m : 1.0 / step;
+      const double n = double(N * S);
+      for (Index c = 0; c < C; ++c) {
+        const std::size_t cc = static_cast<std::size_t>(c);
+        rm[cc] = (1 - f) * rm[cc] + f * st.mean[cc];
+        rv[cc] = (1 - f) * rv[cc] + f * st.var[cc] * n / (n - 1);  // unbiased
+        EXPECT_NEAR(bn.running_mean()(c), rm[cc], tol_elem<T>(8, n)) << "step " << step;
+        EXPECT_NEAR(bn.running_var()(c), rv[cc], tol_elem<T>(32, n)) << "step " << step;
+      }
+      EXPECT_EQ(bn.num_batches_tracked(), step);
+    }
+    // Eval: normalize with the running statistics, independent of the batch.
+    bn.eval();
+    EXPECT_FALSE(bn.is_training());
+    Eigen::Tensor<T, 3, Eigen::RowMajor> x(N, C, S);
+    const auto v = randn<T>(static_cast<std::size_t>(x.size()), 123, 0.0, 1.0);
+    std::copy(v.begin(), v.end(), x.data());
+    Eigen::Tensor<T, 3, Eigen::RowMajor> y = bn(x);
+    std::vector<double> em(C), ev(C);
+    for (Index c = 0; c < C; ++c) {
+      em[static_cast<std::size_t>(c)] = bn.running_mean()(c);
+      ev[static_cast<std::size_t>(c)] = bn.running_var()(c);
+    }
+    const auto ref = normcore::reference::batch_norm_forward(v.data(), N, C, S, em, ev, bn.weight().data(),
+                                                             bn.bias().data(), 1e-5);
+    EXPECT_LE(max_diff(y.data(), ref), tol_elem<T>(max_abs(ref) + 1, 1));
+    EXPECT_EQ(bn.num_batches_tracked(), 4);  // eval does not count
+    // Eval backward: through fixed statistics.
+    Eigen::Tensor<T, 3, Eigen::RowMajor> dy(N, C, S);
+    const auto d = randn<T>(static_cast<std::size_t>(x.size()), 124);
+    std::copy(d.begin(), d.end(), dy.data());
+    auto g = bn.backward(x, dy);
+    const auto gref = normcore::reference::batch_norm_backward(v.data(), d.data(), N, C, S, em, ev,
+                                                               bn.weight().data(), 1e-5, false);
+    EXPECT_LE(max_diff(g.dx.data(), gref.dx), tol_elem<T>(max_abs(gref.dx) + 1, 1));
+    EXPECT_LE(max_diff(g.dweight.data(), gref.dweight), tol<T>(max_abs(gref.dweight) + 8, double(N * S)));
+  }
+}
+
+TYPED_TEST(BatchNormTest, WithoutRunningStatsUsesBatchStatsInBothModes) {
+  using T = TypeParam;
+  BatchNorm<T> bn(BatchNormOptions(3).track_running_stats(false));
+  EXPECT_EQ(bn.running_mean().size(), 0);
+  EXPECT_EQ(bn.running_var().size(), 0);
+  Eigen::Tensor<T, 2, Eigen::RowMajor> x(10, 3);
+  x.setRandom();
+  Eigen::Tensor<T, 2, Eigen::RowMajor> a = bn(x);
+  bn.eval();
+  Eigen::Tensor<T, 2, Eigen::RowMajor> b = bn(x);
+  EXPECT_TRUE(bit_equal(a.data(), b.data(), static_cast<std::size_t>(a.size())));
+  EXPECT_EQ(bn.num_batches_tracked(), 0);
+}
+
+TEST(BatchNormErrors, OneValuePerChannelWhenTrainingAndShapes) {
+  BatchNorm<float> bn(BatchNormOptions(10));
+  Eigen::Tensor<float, 2, Eigen::RowMajor> x(1, 10);
+  x.setRandom();
+  try {
+    (void)bn(x);
+    FAIL() << "no exception";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("more than 1 value per channel when training"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("[1, 10]"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(bn.num_batches_tracked(), 0);  // nothing changed
+  bn.eval();
+  EXPECT_NO_THROW((void)bn(x));  // eval with batch size 1 is fine
+  Eigen::Tensor<float, 2, Eigen::RowMajor> wrong(4, 9);
+  wrong.setZero();
+  try {
+    (void)bn(wrong);
+    FAIL();
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("[4, 9]"), std::string::npos) << e.what();
+  }
+  Eigen::Tensor<float, 1> r1(10);
+  r1.setZero();
+  EXPECT_THROW((void)bn(r1), std::invalid_argument);  // rank 1
+  EXPECT_THROW(BatchNorm<float>(BatchNormOptions(0)), std::invalid_argument);
+  EXPECT_THROW(BatchNorm<float>(BatchNormOptions(4).momentum(1.5)), std::invalid_argument);
+}
+
+TEST(BatchNormGradient, TrainingModeMatchesCentralDifferences) {
+  const Index N = 3, C = 2, S = 4;
+  BatchNorm<double> bn(BatchNormOptions(C).track_running_stats(false));
+  randomize(bn, 7);
+  auto x = randn<double>(static_cast<std::size_t>(N * C * S), 8, 0.4, 1.3);
+  const auto w = randn<double>(x.size(), 9);
+  Eigen::TensorMap<Eigen::Tensor<double, 3, Eigen::RowMajor>> xm(x.data(), N, C, S);
+  Eigen::TensorMap<const Eigen::Tensor<double, 3, Eigen::RowMajor>> wm(w.data(), N, C, S);
+  auto loss = [&]() {
+    Eigen::Tensor<double, 3, Eigen::RowMajor> y = bn(xm);
+    double s = 0;
+    for (Index i = 0; i < y.size(); ++i) s += y.data()[i] * w[static_cast<std::size_t>(i)];
+    return s;
+  };
+  const auto g = bn.backward(xm, wm);
+  const double h = 1e-6;
+  for (std::size_t i = 0; i < x.size(); ++i) {
+    const double keep = x[i];
+    x[i] = keep + h;
+    const double lp = loss();
+    x[i] = keep - h;
+    const double lm = loss();
+    x[i] = keep;
+    EXPECT_NEAR(g.dx.data()[i], (lp - lm) / (2 * h), 1e-6 * (1 + std::fabs(g.dx.data()[i])));
+  }
+  for (Index c = 0; c < C; ++c) {
+    for (int which = 0; which < 2; ++which) {
+      double& p = which == 0 ? bn.weight()(c) : bn.bias()(c);
+      const double keep = p;
+      p = keep + h;
+      const double lp = loss();
+      p = keep - h;
+      const double lm = loss();
+      p = keep;
+      EXPECT_NEAR(which == 0 ? g.dweight(c) : g.dbias(c), (lp - lm) / (2 * h), 1e-6);
+    }
+  }
+}
+
+// The contrast the library exists to teach.
+TEST(Contrast, LayerNormIgnoresTheBatchBatchNormDoesNot) {
+  const Index N = 8, H = 16;
+  auto v = randn<float>(static_cast<std::size_t>(N * H), 5, 1.0, 2.0);
+  Eigen::TensorMap<Eigen::Tensor<float, 2, Eigen::RowMajor>> x(v.data(), N, H);
+  normcore::LayerNorm<float> ln(normcore::LayerNormOptions({H}));
+  BatchNorm<float> bn{BatchNormOptions(H)};
+  Eigen::Tensor<float, 2, Eigen::RowMajor> l1 = ln(x), b1 = bn(x);
+  for (Index i = H; i < N * H; ++i) v[static_cast<std::size_t>(i)] *= 3.0f;  // change the other examples
+  Eigen::Tensor<float, 2, Eigen::RowMajor> l2 = ln(x), b2 = bn(x);
+  bool bn_changed = false;
+  for (Index j = 0; j < H; ++j) {
+    EXPECT_EQ(l1(0, j), l2(0, j));
+    bn_changed = bn_changed || b1(0, j) != b2(0, j);
+  }
+  EXPECT_TRUE(bn_changed);
+  // In eval mode BatchNorm no longer depends on the batch.
+  bn.eval();
+  Eigen::Tensor<float, 2, Eigen::RowMajor> e1 = bn(x);
+  for (Index i = H; i < N * H; ++i) v[static_cast<std::size_t>(i)] *= 0.5f;
+  Eigen::Tensor<float, 2, Eigen::RowMajor> e2 = bn(x);
+  for (Index j = 0; j < H; ++j) EXPECT_EQ(e1(0, j), e2(0, j));
+  // BatchNorm differs between train and eval; LayerNorm has no modes.
+  bn.train();
+  Eigen::Tensor<float, 2, Eigen::RowMajor> t = bn(x);
+  bool differs = false;
+  for (Index j = 0; j < H; ++j) differs = differs || t(0, j) != e2(0, j);
+  EXPECT_TRUE(differs);
+}
+
+}  // namespace
