@@ -11,7 +11,7 @@ int main() {
     for (double offset : {0.0, 1e2, 1e4, 1e6}) {
       const auto r = nctest::layer_norm_accuracy(H, offset);
       char ratio[32] = "-";
-      if (r.floor > 0) std::snprintf(ratio, sizeof ratio, "%.2fx", r.fwd / r.floor);
+      if (r.floor > 0) std::snprintf(ratio, sizeof ratio, "%.1e", r.fwd / r.floor);
       char naive[64];
       if (r.naive_nan_rows > 0)
         std::snprintf(naive, sizeof naive, "%.0f%% of rows NaN", 100 * r.naive_nan_rows);

@@ -41,3 +41,28 @@ TEST(Accuracy, LayerNormBackwardDx) {
 }
 
 }  // namespace
+
+namespace {
+
+// BatchNorm training forward at the same offsets: (N=8, C=4, H) with every
+// channel's statistics over 8 x H values.
+TEST(Accuracy, BatchNormTrainingForwardAtTheFloor) {
+  for (long H : {64L, 768L, 4096L}) {
+    for (double offset : {0.0, 1e2, 1e4, 1e6}) {
+      const long N = 8, C = 4;
+      const auto v = nctest::randn<float>(static_cast<std::size_t>(N * C * H), unsigned(H), offset, 1.0);
+      Eigen::TensorMap<const Eigen::Tensor<float, 3, Eigen::RowMajor>> x(v.data(), N, C, H);
+      normcore::BatchNorm<float> bn{normcore::BatchNormOptions(C)};
+      Eigen::Tensor<float, 3, Eigen::RowMajor> y = bn(x);
+      const auto st = normcore::reference::channel_stats(v.data(), N, C, H);
+      const auto ref = normcore::reference::batch_norm_forward(v.data(), N, C, H, st.mean, st.var,
+                                                               (const float*)nullptr, (const float*)nullptr, 1e-5);
+      const float m = static_cast<float>(offset);
+      const double floor = offset == 0 ? 0 : (std::nextafter(m, 2 * m) - m) / 2.0;
+      const double bound = offset == 0 ? kOffsetZeroForward : 1.5 * floor;
+      EXPECT_LE(nctest::max_diff(y.data(), ref), bound) << "H=" << H << " offset=" << offset;
+    }
+  }
+}
+
+}  // namespace
