@@ -77,31 +77,52 @@ struct reciprocals {
 template <typename T>
 constexpr std::array<T, kChunk + 1> reciprocals<T>::table;
 
-/// Merges S equal-count states (count k each) stored as T arrays into one
-/// double Welford state, by a fixed binary tree (S a power of two).
+/// Merges S states of equal count k (T arrays) into one double Welford
+/// state. For equal counts Chan's pairwise tree collapses to a closed form:
+/// mean = average of the means, M2 = sum of M2 + k * sum (mean_i - mean)^2,
+/// a two-pass over the S means in double (exact up to double rounding).
 template <typename T, int S>
 Welford<double> merge_equal(const T* mean, const T* m2, double k) {
-  static_assert((S & (S - 1)) == 0, "power of two");
+  using namespace Eigen::internal;
+  using PD = typename simd<double>::Packet;
+  constexpr int LD = simd<double>::L;
   alignas(64) double m[S];
   alignas(64) double q[S];
   for (int i = 0; i < S; ++i) {
     m[i] = static_cast<double>(mean[i]);
     q[i] = static_cast<double>(m2[i]);
   }
-  double count = k;
-  for (int s = S / 2; s >= 1; s /= 2) {
-    const double half = 0.5 * count;
-    for (int i = 0; i < s; ++i) {
-      const double d = m[i + s] - m[i];
-      m[i] += 0.5 * d;
-      q[i] += q[i + s] + d * d * half;
+  double sum = 0, sq = 0, dev = 0;
+  if constexpr (S % (2 * LD) == 0) {
+    PD s0 = pset1<PD>(0.0), s1 = s0;
+    for (int i = 0; i < S; i += 2 * LD) {
+      s0 = padd(s0, pload<PD>(m + i));
+      s1 = padd(s1, pload<PD>(m + i + LD));
     }
-    count *= 2;
+    sum = predux(padd(s0, s1));
+    const PD mu = pset1<PD>(sum / S);
+    PD q0 = pset1<PD>(0.0), q1 = q0, d0 = q0, d1 = q0;
+    for (int i = 0; i < S; i += 2 * LD) {
+      q0 = padd(q0, pload<PD>(q + i));
+      q1 = padd(q1, pload<PD>(q + i + LD));
+      const PD e0 = psub(pload<PD>(m + i), mu), e1 = psub(pload<PD>(m + i + LD), mu);
+      d0 = pmadd(e0, e0, d0);
+      d1 = pmadd(e1, e1, d1);
+    }
+    sq = predux(padd(q0, q1));
+    dev = predux(padd(d0, d1));
+  } else {
+    for (int i = 0; i < S; ++i) sum += m[i];
+    for (int i = 0; i < S; ++i) {
+      sq += q[i];
+      dev += (m[i] - sum / S) * (m[i] - sum / S);
+    }
   }
-  return Welford<double>(count, m[0], q[0]);
+  return Welford<double>(k * S, sum / S, sq + k * dev);
 }
 
 }  // namespace detail
+
 
 /// Moments of the n values x[0..n), shifted by `pivot`: the returned state's
 /// mean is mean(x) - pivot; its M2 and count are those of x. Any length,
@@ -113,36 +134,61 @@ Welford<double> row_moments(const T* x, Index n, T pivot) {
   using Packet = typename S::Packet;
   constexpr int L = S::L;
   constexpr int A = S::A;
-  constexpr Index kBlock = Index(A) * L;
   const auto& recip = detail::reciprocals<T>::table;
 
   Welford<double> total;
   const Packet pv = pset1<Packet>(pivot);
-  Index i = 0;
-  const Index full = n / kBlock * kBlock;
-  while (i < full) {
-    const Index iters = std::min<Index>((full - i) / kBlock, detail::kChunk);
+  const Index packets = n / L;  // full packets in the row
+  Index p = 0;                  // packets consumed
+  // Chunks of at most kChunk updates per lane; the last chunk also takes the
+  // leftover packets (fewer than A), one per accumulator.
+  do {
+    const Index iters = std::min<Index>((packets - p) / A, detail::kChunk);
     Packet mean[A];
     Packet m2[A];
     for (int a = 0; a < A; ++a) mean[a] = m2[a] = pset1<Packet>(T(0));
-    for (Index it = 1; it <= iters; ++it, i += kBlock) {
+    for (Index it = 1; it <= iters; ++it, p += A) {
       const Packet inv = pset1<Packet>(recip[static_cast<std::size_t>(it)]);
       for (int a = 0; a < A; ++a) {
-        const Packet d = psub(ploadu<Packet>(x + i + a * L), pv);
+        const Packet d = psub(ploadu<Packet>(x + (p + a) * L), pv);
         const Packet delta = psub(d, mean[a]);
         mean[a] = pmadd(delta, inv, mean[a]);
         m2[a] = pmadd(delta, psub(d, mean[a]), m2[a]);
       }
     }
-    alignas(64) T ms[kBlock];
-    alignas(64) T qs[kBlock];
+    T count[A];
+    for (int a = 0; a < A; ++a) count[a] = static_cast<T>(iters);
+    const bool last = packets - p < A;
+    if (last) {
+      const Packet inv = pset1<Packet>(recip[static_cast<std::size_t>(iters + 1)]);
+      for (int a = 0; p < packets; ++a, ++p) {
+        const Packet d = psub(ploadu<Packet>(x + p * L), pv);
+        const Packet delta = psub(d, mean[a]);
+        mean[a] = pmadd(delta, inv, mean[a]);
+        m2[a] = pmadd(delta, psub(d, mean[a]), m2[a]);
+        count[a] += T(1);
+      }
+    }
+    // Merge every lane of every accumulator in double, in a fixed tree order.
+    // When the leftover packets made the counts unequal, each accumulator's
+    // lanes are merged on their own and the accumulators then in order.
+    alignas(64) T ms[A * L];
+    alignas(64) T qs[A * L];
     for (int a = 0; a < A; ++a) {
       pstoreu(ms + a * L, mean[a]);
       pstoreu(qs + a * L, m2[a]);
     }
-    total.merge(detail::merge_equal<T, kBlock>(ms, qs, static_cast<double>(iters)));
-  }
-  // Tail (< A*L values): exact two-pass in double, then one merge.
+    if (count[0] == count[A - 1]) {
+      if (count[0] > T(0)) total.merge(detail::merge_equal<T, A * L>(ms, qs, static_cast<double>(count[0])));
+    } else {
+      for (int a = 0; a < A; ++a)
+        if (count[a] > T(0))
+          total.merge(detail::merge_equal<T, L>(ms + a * L, qs + a * L, static_cast<double>(count[a])));
+    }
+    if (last) break;
+  } while (true);
+  // Tail (< L values): exact two-pass in double, then one merge.
+  const Index full = packets * L;
   const Index rest = n - full;
   if (rest > 0) {
     double sum = 0;
@@ -275,11 +321,24 @@ double row_sum_squares(const T* x, Index n) {
         acc[a] = pmadd(v, v, acc[a]);
       }
     }
-    alignas(64) T lanes[kBlock];
-    for (int a = 0; a < A; ++a) pstoreu(lanes + a * L, acc[a]);
-    double part = 0;
-    for (Index l = 0; l < kBlock; ++l) part += static_cast<double>(lanes[l]);
-    total += part;
+    for (int a = 1; a < A; ++a) acc[0] = padd(acc[0], acc[a]);
+    alignas(64) T lanes[L];
+    pstoreu(lanes, acc[0]);
+    double part[4] = {0, 0, 0, 0};  // four chains: the adds do not wait on each other
+    for (int l = 0; l < L; ++l) part[l % 4] += static_cast<double>(lanes[l]);
+    total += (part[0] + part[1]) + (part[2] + part[3]);
+  }
+  if (i + L <= n) {  // leftover full packets
+    Packet acc = pset1<Packet>(T(0));
+    for (; i + L <= n; i += L) {
+      const Packet v = ploadu<Packet>(x + i);
+      acc = pmadd(v, v, acc);
+    }
+    alignas(64) T lanes[L];
+    pstoreu(lanes, acc);
+    double part[4] = {0, 0, 0, 0};
+    for (int l = 0; l < L; ++l) part[l % 4] += static_cast<double>(lanes[l]);
+    total += (part[0] + part[1]) + (part[2] + part[3]);
   }
   for (; i < n; ++i) total += static_cast<double>(x[i]) * static_cast<double>(x[i]);
   return total;
