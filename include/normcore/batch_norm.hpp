@@ -22,6 +22,7 @@
 #include "normcore/common.hpp"
 #include "normcore/detail/normalize.hpp"
 #include "normcore/statistics.hpp"
+#include "normcore/welford.hpp"
 
 namespace normcore {
 
@@ -77,6 +78,22 @@ class BatchNormOptions {
   int channel_axis_ = 1;
 };
 
+/// The communicator seam of BatchNorm's training path (SyncBatchNorm): set
+/// one with BatchNorm::set_reducer and every training forward hands its
+/// per-channel Welford states to allreduce_moments, and every training
+/// backward its per-channel sums to allreduce_sums, before using them. An
+/// implementation combines them across processes (normcore/mpi.hpp has one
+/// for MPI). Without a reducer nothing changes and no MPI header is needed.
+class BatchNormReducer {
+ public:
+  virtual ~BatchNormReducer() = default;
+  /// states[c] (count, mean, M2 of channel c on this process; count may be 0)
+  /// becomes the Chan merge of that channel's states over all processes.
+  virtual void allreduce_moments(Welford<double>* states, Index channels) = 0;
+  /// values[i] becomes the sum of values[i] over all processes.
+  virtual void allreduce_sums(double* values, Index n) = 0;
+};
+
 /// Batch normalization. T is float or double.
 template <typename T>
 class BatchNorm {
@@ -124,6 +141,12 @@ class BatchNorm {
   Eigen::Tensor<T, 1>& running_var() { return running_var_; }
   const Eigen::Tensor<T, 1>& running_var() const { return running_var_; }
   std::int64_t num_batches_tracked() const { return num_batches_tracked_; }
+
+  /// Combines the training statistics across processes (not owned; nullptr,
+  /// the default, keeps everything local). dweight and dbias stay local, as in
+  /// PyTorch's SyncBatchNorm: sum them across processes as for any parameter.
+  void set_reducer(BatchNormReducer* reducer) { reducer_ = reducer; }
+  BatchNormReducer* reducer() const { return reducer_; }
 
   /// Allocating forward (updates the running statistics in training mode).
   template <typename X>
@@ -217,6 +240,10 @@ class BatchNorm {
     const Index C = v.C;
     pivot.resize(static_cast<std::size_t>(C));
     w.assign(static_cast<std::size_t>(C), Welford<double>());
+    if (v.outer * v.inner == 0) {  // no values here (possible on one rank of many)
+      std::fill(pivot.begin(), pivot.end(), T(0));
+      return;
+    }
     for (Index c = 0; c < C; ++c) pivot[static_cast<std::size_t>(c)] = x[c * v.inner];
     if (v.inner == 1) {  // channels-last: rows of C values, one lane per channel
       lane_moments(x, C, v.outer, C, pivot.data(), w.data());
@@ -240,10 +267,26 @@ class BatchNorm {
     const double eps = options_.eps();
     std::vector<detail::NormCoeffs<T>> k(static_cast<std::size_t>(C));
     if (uses_batch_stats()) {
-      const Index count = v.outer * v.inner;
+      std::vector<T> pivot;
+      std::vector<Welford<double>> w;
+      channel_moments(x.data(), v, pivot, w);
+      if (reducer_) {
+        // Exchange absolute means; come back to this process's pivots after.
+        for (Index c = 0; c < C; ++c) {
+          auto& wc = w[static_cast<std::size_t>(c)];
+          wc = Welford<double>(wc.count(), static_cast<double>(pivot[static_cast<std::size_t>(c)]) + wc.mean(), wc.m2());
+        }
+        reducer_->allreduce_moments(w.data(), C);
+        for (Index c = 0; c < C; ++c) {
+          auto& wc = w[static_cast<std::size_t>(c)];
+          wc = Welford<double>(wc.count(), wc.mean() - static_cast<double>(pivot[static_cast<std::size_t>(c)]), wc.m2());
+        }
+      }
+      const double count = w.empty() ? 0.0 : w[0].count();
       if (training_ && count <= 1) {
         detail::fail(std::string(kWho) + ": expected more than 1 value per channel when training, "
-                                         "got input of shape " + detail::shape_string(v.dims));
+                                         "got input of shape " + detail::shape_string(v.dims) +
+                     (reducer_ ? " (" + std::to_string(static_cast<long long>(count)) + " values over all processes)" : std::string()));
       }
       if (count == 0) {
         if (saved) {
@@ -252,9 +295,6 @@ class BatchNorm {
         }
         return;
       }
-      std::vector<T> pivot;
-      std::vector<Welford<double>> w;
-      channel_moments(x.data(), v, pivot, w);
       for (Index c = 0; c < C; ++c) {
         const auto& wc = w[static_cast<std::size_t>(c)];
         k[static_cast<std::size_t>(c)] = detail::norm_coeffs<T>(pivot[static_cast<std::size_t>(c)], wc.mean(), wc.variance(), eps);
@@ -427,6 +467,17 @@ class BatchNorm {
       std::vector<T> pivot;
       std::vector<Welford<double>> w;
       channel_moments(x.data(), v, pivot, w);
+      if (reducer_) {
+        for (Index c = 0; c < C; ++c) {
+          auto& wc = w[static_cast<std::size_t>(c)];
+          wc = Welford<double>(wc.count(), static_cast<double>(pivot[static_cast<std::size_t>(c)]) + wc.mean(), wc.m2());
+        }
+        reducer_->allreduce_moments(w.data(), C);
+        for (Index c = 0; c < C; ++c) {
+          auto& wc = w[static_cast<std::size_t>(c)];
+          wc = Welford<double>(wc.count(), wc.mean() - static_cast<double>(pivot[static_cast<std::size_t>(c)]), wc.m2());
+        }
+      }
       for (Index c = 0; c < C; ++c) {
         const auto& wc = w[static_cast<std::size_t>(c)];
         const auto k = detail::norm_coeffs<T>(pivot[static_cast<std::size_t>(c)], wc.mean(), wc.variance(), options_.eps());
@@ -439,12 +490,30 @@ class BatchNorm {
         rstd[static_cast<std::size_t>(c)] = static_cast<T>(1.0 / std::sqrt(static_cast<double>(running_var_(c)) + options_.eps()));
       }
     }
-    const Index count = v.outer * v.inner;
-    std::vector<double> sums(static_cast<std::size_t>(3 * C));
+    const Index local_count = v.outer * v.inner;
+    std::vector<double> sums(static_cast<std::size_t>(3 * C + 1));
     double* sg = sums.data();
     double* sgd = sg + C;
     double* sd = sgd + C;
-    if (count > 0) channel_sums(x.data(), dy.data(), v, mean.data(), sg, sgd, sd);
+    if (local_count > 0) channel_sums(x.data(), dy.data(), v, mean.data(), sg, sgd, sd);
+    sums[static_cast<std::size_t>(3 * C)] = static_cast<double>(local_count);
+    // Parameter gradients are local (as PyTorch's SyncBatchNorm): keep this
+    // process's sums; the mean correction delta below is global.
+    const std::vector<double> local(sums.begin(), sums.begin() + 2 * C);
+    if (reducer_ && batch) reducer_->allreduce_sums(sums.data(), 3 * C + 1);
+    const double count = sums[static_cast<std::size_t>(3 * C)];
+    if (dweight) {
+      detail::resize_vector(*dweight, C);
+      for (Index c = 0; c < C; ++c) {
+        const double r = static_cast<double>(rstd[static_cast<std::size_t>(c)]);
+        const double delta = batch && count > 0 ? sd[c] / count : 0.0;
+        (*dweight)(c) = static_cast<T>(r * (local[static_cast<std::size_t>(C + c)] - delta * local[static_cast<std::size_t>(c)]));
+      }
+    }
+    if (dbias) {
+      detail::resize_vector(*dbias, C);
+      for (Index c = 0; c < C; ++c) (*dbias)(c) = static_cast<T>(local[static_cast<std::size_t>(c)]);
+    }
     // Per channel: dx = fma(dy, a, -fma(d, k3, k4)) with d = x - mean.
     std::vector<T> a(static_cast<std::size_t>(C)), k3(static_cast<std::size_t>(C)), k4(static_cast<std::size_t>(C)),
         piv(mean);
@@ -463,18 +532,6 @@ class BatchNorm {
       } else {
         k3[cc] = k4[cc] = T(0);
       }
-    }
-    if (dweight) {
-      detail::resize_vector(*dweight, C);
-      for (Index c = 0; c < C; ++c) {
-        const double r = static_cast<double>(rstd[static_cast<std::size_t>(c)]);
-        const double delta = batch && count > 0 ? sd[c] / static_cast<double>(count) : 0.0;
-        (*dweight)(c) = static_cast<T>(r * (sgd[c] - delta * sg[c]));
-      }
-    }
-    if (dbias) {
-      detail::resize_vector(*dbias, C);
-      for (Index c = 0; c < C; ++c) (*dbias)(c) = static_cast<T>(sg[c]);
     }
     if (!dx) return;
     const T* xp = x.data();
@@ -521,6 +578,7 @@ class BatchNorm {
   Eigen::Tensor<T, 1> running_mean_;
   Eigen::Tensor<T, 1> running_var_;
   std::int64_t num_batches_tracked_ = 0;
+  BatchNormReducer* reducer_ = nullptr;
 };
 
 }  // namespace normcore
