@@ -15,6 +15,7 @@
 #include "normcore/common.hpp"
 #include "normcore/detail/lanes.hpp"
 #include "normcore/detail/normalize.hpp"
+#include "normcore/parallel.hpp"
 #include "normcore/statistics.hpp"
 
 namespace normcore {
@@ -176,13 +177,23 @@ class LayerNorm {
   /// Non-allocating forward into y (a Tensor or TensorMap of x's dims).
   template <typename X, typename Y>
   void forward(const X& x, Y&& y) const {
-    forward_impl(x, y, nullptr);
+    forward_impl(Serial(), x, y, nullptr);
   }
 
   /// Forward that also saves the per-row mean and rstd for backward.
   template <typename X, typename Y>
   void forward(const X& x, Y&& y, NormStats<T>& saved) const {
-    forward_impl(x, y, &saved);
+    forward_impl(Serial(), x, y, &saved);
+  }
+
+  /// The same on a device's threads (e.g. an Eigen::ThreadPoolDevice).
+  template <typename Device, typename X, typename Y, typename = std::enable_if_t<detail::is_device<Device>::value>>
+  void forward(const Device& device, const X& x, Y&& y) const {
+    forward_impl(device, x, y, nullptr);
+  }
+  template <typename Device, typename X, typename Y, typename = std::enable_if_t<detail::is_device<Device>::value>>
+  void forward(const Device& device, const X& x, Y&& y, NormStats<T>& saved) const {
+    forward_impl(device, x, y, &saved);
   }
 
   /// Backward: computes any subset of dx, dweight, dbias (pass nullptr for
@@ -190,23 +201,29 @@ class LayerNorm {
   /// saved == nullptr they are recomputed from x. dx has x's dims and layout;
   /// dweight and dbias are resized to normalized_size() if needed.
   template <typename X, typename DY, typename DX>
-  void backward(const X& x, const DY& dy, DX* dx, Eigen::Tensor<T, 1>* dweight,
+  void backward(const X& x, const DY& dy, DX dx, Eigen::Tensor<T, 1>* dweight,
                 Eigen::Tensor<T, 1>* dbias, const NormStats<T>* saved = nullptr) const {
-    detail::check_scalar<T, DX>();
-    detail::check_layouts<X, DX>();
-    static_assert(detail::tensor_traits<DX>::writable, "normcore: dx must be writable");
-    detail::Matrix2D<T> dxv;
-    if (dx) {
-      detail::check_same_shape(kWho, "dx", x, *dx);
-      dxv = detail::split_view<T>(kWho, "dx", *dx, options_.normalized_shape());
-    }
-    backward_impl(x, dy, dx ? &dxv : nullptr, dweight, dbias, saved);
+    backward(Serial(), x, dy, dx, dweight, dbias, saved);
   }
 
-  template <typename X, typename DY>
-  void backward(const X& x, const DY& dy, std::nullptr_t, Eigen::Tensor<T, 1>* dweight,
+  /// The same on a device's threads; bit-identical for any thread count.
+  template <typename Device, typename X, typename DY, typename DX,
+            typename = std::enable_if_t<detail::is_device<Device>::value>>
+  void backward(const Device& device, const X& x, const DY& dy, DX dx, Eigen::Tensor<T, 1>* dweight,
                 Eigen::Tensor<T, 1>* dbias, const NormStats<T>* saved = nullptr) const {
-    backward_impl(x, dy, nullptr, dweight, dbias, saved);
+    detail::Matrix2D<T> dxv;
+    if constexpr (!std::is_null_pointer<DX>::value) {
+      using D = std::remove_pointer_t<DX>;
+      static_assert(std::is_pointer<DX>::value, "normcore: pass dx as a pointer (or nullptr)");
+      detail::check_scalar<T, D>();
+      detail::check_layouts<X, D>();
+      static_assert(detail::tensor_traits<D>::writable, "normcore: dx must be writable");
+      if (dx) {
+        detail::check_same_shape(kWho, "dx", x, *dx);
+        dxv = detail::split_view<T>(kWho, "dx", *dx, options_.normalized_shape());
+      }
+    }
+    backward_impl(device, x, dy, dxv.data ? &dxv : nullptr, dweight, dbias, saved);
   }
 
   /// Allocating backward: every gradient the layer has.
@@ -226,8 +243,8 @@ class LayerNorm {
   const T* gamma() const { return weight_.size() ? weight_.data() : nullptr; }
   const T* beta() const { return bias_.size() ? bias_.data() : nullptr; }
 
-  template <typename X, typename Y>
-  void forward_impl(const X& x, Y& y, NormStats<T>* saved) const {
+  template <typename Device, typename X, typename Y>
+  void forward_impl(const Device& device, const X& x, Y& y, NormStats<T>* saved) const {
     detail::check_scalar<T, X>();
     detail::check_scalar<T, Y>();
     detail::check_layouts<X, Y>();
@@ -244,64 +261,79 @@ class LayerNorm {
       rstd = saved->rstd.data();
     }
     if (xv.rows == 0) return;
-    const double eps = options_.eps();
-    const Index n = xv.cols;
+    constexpr int L = detail::simd<T>::L;
+    const Index n = xv.cols, rows = xv.rows;
+    const Index align = xv.row_major ? 1 : L;
+    const Index parts = detail::parts_for(device, rows * n, (rows + align - 1) / align);
+    const detail::Split split{rows, parts, align};
     if (xv.row_major) {
-      for (Index r = 0; r < xv.rows; ++r) {
-        const T* xr = xv.data + r * n;
-        const Welford<double> w = row_moments(xr, n, xr[0]);
-        const auto k = detail::norm_coeffs<T>(xr[0], w.mean(), w.variance(), eps);
-        if (saved) {
-          mean[r] = k.mean;
-          rstd[r] = k.rstd;
-        }
-        detail::normalize_span(xr, out + r * n, n, k, gamma(), beta());
-      }
-      return;
+      detail::run_parts(device, parts, [&](Index p) {
+        forward_rows(xv.data, out, n, split.begin(p), split.begin(p + 1), mean, rstd);
+      });
+    } else {
+      const auto pv = detail::param_view(true, options_.normalized_shape(), gamma(), beta(), n);
+      detail::run_parts(device, parts, [&](Index p) {
+        forward_colmajor(xv, out, mean, rstd, split.begin(p), split.begin(p + 1), pv.gamma, pv.beta);
+      });
     }
-    forward_colmajor(xv, out, mean, rstd);
   }
 
-  // ColMajor: element (r, j) at data[j * rows + r]; rows are SIMD lanes.
-  void forward_colmajor(const detail::Matrix2D<T>& xv, T* out, T* mean, T* rstd) const {
-    constexpr int L = detail::simd<T>::L;
-    const Index rows = xv.rows, n = xv.cols;
-    const auto pv = detail::param_view(true, options_.normalized_shape(), gamma(), beta(), n);
-    std::vector<Welford<double>> w(static_cast<std::size_t>(rows));
-    lane_moments(xv.data, rows, n, rows, xv.data, w.data());  // pivot: first feature
-    std::vector<T> coef(static_cast<std::size_t>(3 * rows));
-    T* piv = coef.data();
-    T* rs = piv + rows;
-    T* sh = rs + rows;
-    for (Index r = 0; r < rows; ++r) {
-      const auto& wr = w[static_cast<std::size_t>(r)];
-      const auto k = detail::norm_coeffs<T>(xv.data[r], wr.mean(), wr.variance(), options_.eps());
-      piv[r] = k.pivot;
-      rs[r] = k.rstd;
-      sh[r] = -k.shift;
+  void forward_rows(const T* x, T* out, Index n, Index r0, Index r1, T* mean, T* rstd) const {
+    const double eps = options_.eps();
+    for (Index r = r0; r < r1; ++r) {
+      const T* xr = x + r * n;
+      const Welford<double> w = row_moments(xr, n, xr[0]);
+      const auto k = detail::norm_coeffs<T>(xr[0], w.mean(), w.variance(), eps);
       if (mean) {
         mean[r] = k.mean;
         rstd[r] = k.rstd;
       }
+      detail::normalize_span(xr, out + r * n, n, k, gamma(), beta());
     }
-    Index r0 = 0;
-    for (; r0 + L <= rows; r0 += L) {
-      normalize_lanes(xv.data + r0, out + r0, rows, n, piv + r0, rs + r0, sh + r0, pv.gamma, pv.beta);
+  }
+
+  // ColMajor: element (r, j) at data[j * rows + r]; rows are SIMD lanes.
+  // Handles rows [r0, r1), r0 a multiple of the packet size.
+  void forward_colmajor(const detail::Matrix2D<T>& xv, T* out, T* mean, T* rstd, Index r0,
+                        Index r1, const T* g, const T* b) const {
+    constexpr int L = detail::simd<T>::L;
+    const Index rows = xv.rows, n = xv.cols, m = r1 - r0;
+    std::vector<Welford<double>> w(static_cast<std::size_t>(m));
+    // Pivot of each row: its first feature, data[r].
+    lane_moments(xv.data + r0, rows, n, m, xv.data + r0, w.data());
+    std::vector<T> coef(static_cast<std::size_t>(3 * m));
+    T* piv = coef.data();
+    T* rs = piv + m;
+    T* sh = rs + m;
+    for (Index i = 0; i < m; ++i) {
+      const auto& wr = w[static_cast<std::size_t>(i)];
+      const auto k = detail::norm_coeffs<T>(xv.data[r0 + i], wr.mean(), wr.variance(), options_.eps());
+      piv[i] = k.pivot;
+      rs[i] = k.rstd;
+      sh[i] = -k.shift;
+      if (mean) {
+        mean[r0 + i] = k.mean;
+        rstd[r0 + i] = k.rstd;
+      }
     }
-    if (r0 < rows) {
+    Index i0 = 0;
+    for (; i0 + L <= m; i0 += L) {
+      normalize_lanes(xv.data + r0 + i0, out + r0 + i0, rows, n, piv + i0, rs + i0, sh + i0, g, b);
+    }
+    if (i0 < m) {
       // Leftover rows go through the same packet code on a padded copy, so a
       // row's result never depends on where it sits in the batch.
-      const Index m = rows - r0;
+      const Index k = m - i0;
       std::vector<T> tmp(static_cast<std::size_t>(2 * L * n + 3 * L));
       T* tx = tmp.data();
       T* ty = tx + L * n;
       T* tc = ty + L * n;
-      detail::gather_lanes(xv.data, rows, r0, m, n, Index(L), tx);
-      detail::gather_values(piv, r0, m, Index(L), tc);
-      detail::gather_values(rs, r0, m, Index(L), tc + L);
-      detail::gather_values(sh, r0, m, Index(L), tc + 2 * L);
-      normalize_lanes(tx, ty, L, n, tc, tc + L, tc + 2 * L, pv.gamma, pv.beta);
-      detail::scatter_lanes(ty, rows, r0, m, n, Index(L), out);
+      detail::gather_lanes(xv.data, rows, r0 + i0, k, n, Index(L), tx);
+      detail::gather_values(piv, i0, k, Index(L), tc);
+      detail::gather_values(rs, i0, k, Index(L), tc + L);
+      detail::gather_values(sh, i0, k, Index(L), tc + 2 * L);
+      normalize_lanes(tx, ty, L, n, tc, tc + L, tc + 2 * L, g, b);
+      detail::scatter_lanes(ty, rows, r0 + i0, k, n, Index(L), out);
     }
   }
 
@@ -321,8 +353,8 @@ class LayerNorm {
     }
   }
 
-  template <typename X, typename DY>
-  void backward_impl(const X& x, const DY& dy, const detail::Matrix2D<T>* dxv,
+  template <typename Device, typename X, typename DY>
+  void backward_impl(const Device& device, const X& x, const DY& dy, const detail::Matrix2D<T>* dxv,
                      Eigen::Tensor<T, 1>* dweight, Eigen::Tensor<T, 1>* dbias,
                      const NormStats<T>* saved) const {
     detail::check_scalar<T, X>();
@@ -341,7 +373,17 @@ class LayerNorm {
       detail::check_stats(kWho, saved->mean, "mean", xv.rows);
       detail::check_stats(kWho, saved->rstd, "rstd", xv.rows);
     }
+    constexpr int L = detail::simd<T>::L;
     const Index n = xv.cols, rows = xv.rows;
+    // Fixed groups of rows (boundaries on kRowBlock, or on packets for
+    // ColMajor), at most kGroups: parameter gradients are summed per group
+    // and the groups added in order, whatever the number of threads.
+    const Index align = xv.row_major ? kRowBlock : L;
+    const Index units = (rows + align - 1) / align;
+    const Index groups = std::max<Index>(1, std::min<Index>(units, kGroups));
+    const detail::Split gsplit{rows, groups, align};
+    const Index parts = detail::parts_for(device, rows * n, groups);
+    const detail::Split psplit{groups, parts, 1};  // groups per thread
     // Statistics: saved, or recomputed exactly as forward computes them.
     std::vector<T> stat;
     const T* mean;
@@ -351,50 +393,63 @@ class LayerNorm {
       rstd = saved->rstd.data();
     } else {
       stat.resize(static_cast<std::size_t>(2 * rows));
-      NormStats<T> tmp;
-      for (Index r = 0; r < rows; ++r) {
-        Welford<double> w;
-        const T p = xv.row_major ? xv.data[r * n] : xv.data[r];
-        if (xv.row_major) {
-          w = row_moments(xv.data + r * n, n, p);
-        } else {
-          lane_moments(xv.data + r, rows, n, Index(1), &p, &w);
+      T* sm = stat.data();
+      T* sr = stat.data() + rows;
+      detail::run_parts(device, parts, [&](Index p) {
+        const Index r0 = gsplit.begin(psplit.begin(p)), r1 = gsplit.begin(psplit.begin(p + 1));
+        for (Index r = r0; r < r1; ++r) {
+          Welford<double> w;
+          const T piv = xv.row_major ? xv.data[r * n] : xv.data[r];
+          if (xv.row_major) {
+            w = row_moments(xv.data + r * n, n, piv);
+          } else {
+            lane_moments(xv.data + r, rows, n, Index(1), &piv, &w);
+          }
+          const auto k = detail::norm_coeffs<T>(piv, w.mean(), w.variance(), options_.eps());
+          sm[r] = k.mean;
+          sr[r] = k.rstd;
         }
-        const auto k = detail::norm_coeffs<T>(p, w.mean(), w.variance(), options_.eps());
-        stat[static_cast<std::size_t>(r)] = k.mean;
-        stat[static_cast<std::size_t>(rows + r)] = k.rstd;
-      }
-      mean = stat.data();
-      rstd = stat.data() + rows;
+      });
+      mean = sm;
+      rstd = sr;
     }
-    std::vector<double> dw_total(dweight ? static_cast<std::size_t>(n) : 0, 0.0);
-    std::vector<double> db_total(dbias ? static_cast<std::size_t>(n) : 0, 0.0);
+    const std::size_t gn = static_cast<std::size_t>(groups * n);
+    std::vector<double> dw_part(dweight ? gn : 0, 0.0), db_part(dbias ? gn : 0, 0.0);
     const auto pv = detail::param_view(!xv.row_major, options_.normalized_shape(), gamma(),
                                        static_cast<const T*>(nullptr), n);
     const T* dyp = dy.data();
     T* dxp = dxv ? dxv->data : nullptr;
-    if (xv.row_major) {
-      backward_rows(xv.data, dyp, dxp, rows, n, mean, rstd, pv.gamma, dweight ? dw_total.data() : nullptr,
-                    dbias ? db_total.data() : nullptr);
-    } else {
-      backward_colmajor(xv.data, dyp, dxp, rows, n, mean, rstd, pv.gamma,
-                        dweight ? dw_total.data() : nullptr, dbias ? db_total.data() : nullptr);
-    }
-    // Parameter gradients back to PyTorch's (row-major) flattening.
+    detail::run_parts(device, parts, [&](Index p) {
+      for (Index gi = psplit.begin(p); gi < psplit.begin(p + 1); ++gi) {
+        const Index r0 = gsplit.begin(gi), r1 = gsplit.begin(gi + 1);
+        double* dw = dweight ? dw_part.data() + gi * n : nullptr;
+        double* db = dbias ? db_part.data() + gi * n : nullptr;
+        if (xv.row_major) {
+          backward_rows(xv.data + r0 * n, dyp + r0 * n, dxp ? dxp + r0 * n : nullptr, r1 - r0, n,
+                        mean + r0, rstd + r0, pv.gamma, dw, db);
+        } else {
+          backward_colmajor(xv.data, dyp, dxp, rows, r0, r1, n, mean, rstd, pv.gamma, dw, db);
+        }
+      }
+    });
+    // Groups in order, then back to PyTorch's (row-major) flattening.
     std::vector<Index> perm;
     const bool permute = !xv.row_major && options_.normalized_shape().size() > 1;
     if (permute) perm = detail::colmajor_to_rowmajor(options_.normalized_shape());
-    auto emit = [&](Eigen::Tensor<T, 1>* out, const std::vector<double>& tot) {
+    auto emit = [&](Eigen::Tensor<T, 1>* out, const std::vector<double>& part) {
       if (!out) return;
       detail::resize_vector(*out, n);
       for (Index c = 0; c < n; ++c) {
-        const Index dst = permute ? perm[static_cast<std::size_t>(c)] : c;
-        (*out)(dst) = static_cast<T>(tot[static_cast<std::size_t>(c)]);
+        double t = 0;
+        for (Index gi = 0; gi < groups; ++gi) t += part[static_cast<std::size_t>(gi * n + c)];
+        (*out)(permute ? perm[static_cast<std::size_t>(c)] : c) = static_cast<T>(t);
       }
     };
-    emit(dweight, dw_total);
-    emit(dbias, db_total);
+    emit(dweight, dw_part);
+    emit(dbias, db_part);
   }
+
+  static constexpr Index kGroups = 16;
 
   // Rows of n contiguous values. For each row, with d = x - mean_saved and
   // g = dy * gamma, one pass sums g, g*d and d; delta = sum(d)/n corrects the
@@ -492,19 +547,18 @@ class LayerNorm {
 
   // ColMajor: element (r, j) at [j * rows + r]; the same arithmetic, with a
   // packet of rows per step and scalar leftover rows.
-  static void backward_colmajor(const T* x, const T* dy, T* dx, Index rows, Index n,
-                                const T* mean, const T* rstd, const T* gamma, double* dw,
+  static void backward_colmajor(const T* x, const T* dy, T* dx, Index rows, Index r0, Index r1,
+                                Index n, const T* mean, const T* rstd, const T* gamma, double* dw,
                                 double* db) {
     constexpr int L = detail::simd<T>::L;
-    Index r0 = 0;
-    for (; r0 + L <= rows; r0 += L) {
+    for (; r0 + L <= r1; r0 += L) {
       backward_lanes(x + r0, dy + r0, dx ? dx + r0 : nullptr, rows, n, mean + r0, rstd + r0, gamma,
                      dw, db, L);
     }
-    if (r0 < rows) {
+    if (r0 < r1) {
       // Leftover rows: the same packet code on a padded copy (see forward).
       // Padding lanes repeat a real row and are masked out of dw/db.
-      const Index m = rows - r0;
+      const Index m = r1 - r0;
       std::vector<T> tmp(static_cast<std::size_t>(3 * L * n + 2 * L));
       T* tx = tmp.data();
       T* tdy = tx + L * n;

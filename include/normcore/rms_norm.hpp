@@ -22,6 +22,7 @@
 #include "normcore/common.hpp"
 #include "normcore/detail/lanes.hpp"
 #include "normcore/layer_norm.hpp"
+#include "normcore/parallel.hpp"
 #include "normcore/statistics.hpp"
 
 namespace normcore {
@@ -135,35 +136,51 @@ class RMSNorm {
 
   template <typename X, typename Y>
   void forward(const X& x, Y&& y) const {
-    forward_impl(x, y, nullptr);
+    forward_impl(Serial(), x, y, nullptr);
   }
 
   /// Also saves rstd per row (saved.mean is left empty). An rstd outside T's
   /// range saturates to 0 or inf; backward recomputes such rows from x.
   template <typename X, typename Y>
   void forward(const X& x, Y&& y, NormStats<T>& saved) const {
-    forward_impl(x, y, &saved);
+    forward_impl(Serial(), x, y, &saved);
   }
 
-  /// Any subset of dx and dweight (nullptr for the ones not wanted).
+  /// The same on a device's threads (e.g. an Eigen::ThreadPoolDevice).
+  template <typename Device, typename X, typename Y, typename = std::enable_if_t<detail::is_device<Device>::value>>
+  void forward(const Device& device, const X& x, Y&& y) const {
+    forward_impl(device, x, y, nullptr);
+  }
+  template <typename Device, typename X, typename Y, typename = std::enable_if_t<detail::is_device<Device>::value>>
+  void forward(const Device& device, const X& x, Y&& y, NormStats<T>& saved) const {
+    forward_impl(device, x, y, &saved);
+  }
+
+  /// Any subset of dx and dweight (a pointer, or nullptr for the ones not wanted).
   template <typename X, typename DY, typename DX>
-  void backward(const X& x, const DY& dy, DX* dx, Eigen::Tensor<T, 1>* dweight,
+  void backward(const X& x, const DY& dy, DX dx, Eigen::Tensor<T, 1>* dweight,
                 const NormStats<T>* saved = nullptr) const {
-    detail::check_scalar<T, DX>();
-    detail::check_layouts<X, DX>();
-    static_assert(detail::tensor_traits<DX>::writable, "normcore: dx must be writable");
-    detail::Matrix2D<T> dxv;
-    if (dx) {
-      detail::check_same_shape(kWho, "dx", x, *dx);
-      dxv = detail::split_view<T>(kWho, "dx", *dx, options_.normalized_shape());
-    }
-    backward_impl(x, dy, dx ? &dxv : nullptr, dweight, saved);
+    backward(Serial(), x, dy, dx, dweight, saved);
   }
 
-  template <typename X, typename DY>
-  void backward(const X& x, const DY& dy, std::nullptr_t, Eigen::Tensor<T, 1>* dweight,
+  /// The same on a device's threads; bit-identical for any thread count.
+  template <typename Device, typename X, typename DY, typename DX,
+            typename = std::enable_if_t<detail::is_device<Device>::value>>
+  void backward(const Device& device, const X& x, const DY& dy, DX dx, Eigen::Tensor<T, 1>* dweight,
                 const NormStats<T>* saved = nullptr) const {
-    backward_impl(x, dy, nullptr, dweight, saved);
+    detail::Matrix2D<T> dxv;
+    if constexpr (!std::is_null_pointer<DX>::value) {
+      using D = std::remove_pointer_t<DX>;
+      static_assert(std::is_pointer<DX>::value, "normcore: pass dx as a pointer (or nullptr)");
+      detail::check_scalar<T, D>();
+      detail::check_layouts<X, D>();
+      static_assert(detail::tensor_traits<D>::writable, "normcore: dx must be writable");
+      if (dx) {
+        detail::check_same_shape(kWho, "dx", x, *dx);
+        dxv = detail::split_view<T>(kWho, "dx", *dx, options_.normalized_shape());
+      }
+    }
+    backward_impl(device, x, dy, dxv.data ? &dxv : nullptr, dweight, saved);
   }
 
   /// Allocating backward: dx and (with a weight) dweight; dbias stays empty.
@@ -178,21 +195,23 @@ class RMSNorm {
 
  private:
   static constexpr const char* kWho = "normcore::RMSNorm";
+  static constexpr Index kRowBlock = 64;
+  static constexpr Index kGroups = 16;
   const T* gamma() const { return weight_.size() ? weight_.data() : nullptr; }
 
-  /// rstd of every row, in long double (exact path for extreme rows).
-  std::vector<long double> row_rstd(const detail::Matrix2D<T>& xv) const {
+  /// rstd of rows [r0, r1) into r[r0..r1), in long double (exact path for
+  /// extreme rows). ColMajor: r0 is a multiple of the packet size.
+  void row_rstd(const detail::Matrix2D<T>& xv, Index r0, Index r1, long double* r) const {
     using namespace Eigen::internal;
     using Packet = typename detail::simd<T>::Packet;
     constexpr int L = detail::simd<T>::L;
     const Index rows = xv.rows, n = xv.cols;
-    std::vector<long double> r(static_cast<std::size_t>(rows));
     if (xv.row_major) {
-      for (Index i = 0; i < rows; ++i) {
+      for (Index i = r0; i < r1; ++i) {
         const T* xr = xv.data + i * n;
-        r[static_cast<std::size_t>(i)] = detail::rms_rstd(xr, n, 1, row_sum_squares(xr, n), eps_);
+        r[i] = detail::rms_rstd(xr, n, 1, row_sum_squares(xr, n), eps_);
       }
-      return r;
+      return;
     }
     // ColMajor: a packet of rows at a time, sequential in T within chunks of
     // kChunk features, chunks added in double. Leftover rows padded.
@@ -211,25 +230,22 @@ class RMSNorm {
       }
     };
     double ss[L];
-    Index r0 = 0;
-    for (; r0 + L <= rows; r0 += L) {
-      lanes(xv.data + r0, rows, ss);
-      for (int l = 0; l < L; ++l)
-        r[static_cast<std::size_t>(r0 + l)] = detail::rms_rstd(xv.data + r0 + l, n, rows, ss[l], eps_);
+    Index i0 = r0;
+    for (; i0 + L <= r1; i0 += L) {
+      lanes(xv.data + i0, rows, ss);
+      for (int l = 0; l < L; ++l) r[i0 + l] = detail::rms_rstd(xv.data + i0 + l, n, rows, ss[l], eps_);
     }
-    if (r0 < rows) {
-      const Index m = rows - r0;
+    if (i0 < r1) {
+      const Index m = r1 - i0;
       std::vector<T> tx(static_cast<std::size_t>(L * n));
-      detail::gather_lanes(xv.data, rows, r0, m, n, Index(L), tx.data());
+      detail::gather_lanes(xv.data, rows, i0, m, n, Index(L), tx.data());
       lanes(tx.data(), L, ss);
-      for (Index l = 0; l < m; ++l)
-        r[static_cast<std::size_t>(r0 + l)] = detail::rms_rstd(xv.data + r0 + l, n, rows, ss[l], eps_);
+      for (Index l = 0; l < m; ++l) r[i0 + l] = detail::rms_rstd(xv.data + i0 + l, n, rows, ss[l], eps_);
     }
-    return r;
   }
 
-  template <typename X, typename Y>
-  void forward_impl(const X& x, Y& y, NormStats<T>* saved) const {
+  template <typename Device, typename X, typename Y>
+  void forward_impl(const Device& device, const X& x, Y& y, NormStats<T>* saved) const {
     using namespace Eigen::internal;
     using Packet = typename detail::simd<T>::Packet;
     constexpr int L = detail::simd<T>::L;
@@ -249,10 +265,8 @@ class RMSNorm {
                                        static_cast<const T*>(nullptr), n);
     const T* g = pv.gamma;
     T* out = y.data();
-    const std::vector<long double> r = row_rstd(xv);
-    if (saved)
-      for (Index i = 0; i < rows; ++i) saved->rstd(i) = static_cast<T>(r[static_cast<std::size_t>(i)]);
-    const Index rs = xv.row_major ? n : 1;    // stride between rows
+    std::vector<long double> r(static_cast<std::size_t>(rows));
+    const Index rs = xv.row_major ? n : 1;     // stride between rows
     const Index fs = xv.row_major ? 1 : rows;  // stride between features
     // Rows whose rstd is not a normal T: exact scalar path in long double.
     auto exact_row = [&](Index i) {
@@ -263,63 +277,72 @@ class RMSNorm {
         out[i * rs + j * fs] = static_cast<T>(v);
       }
     };
-    if (xv.row_major) {
-      for (Index i = 0; i < rows; ++i) {
+    const Index align = xv.row_major ? 1 : L;
+    const Index parts = detail::parts_for(device, rows * n, (rows + align - 1) / align);
+    const detail::Split split{rows, parts, align};
+    detail::run_parts(device, parts, [&](Index p) {
+      const Index r0 = split.begin(p), r1 = split.begin(p + 1);
+      row_rstd(xv, r0, r1, r.data());
+      if (saved)
+        for (Index i = r0; i < r1; ++i) saved->rstd(i) = static_cast<T>(r[static_cast<std::size_t>(i)]);
+      if (xv.row_major) {
+        for (Index i = r0; i < r1; ++i) {
+          const long double ri = r[static_cast<std::size_t>(i)];
+          if (!detail::normal_in<T>(ri)) {
+            exact_row(i);
+            continue;
+          }
+          const T* xr = xv.data + i * n;
+          T* yr = out + i * n;
+          const T rt = static_cast<T>(ri);
+          const Packet pr = pset1<Packet>(rt);
+          Index j = 0;
+          if (g) {
+            for (; j + L <= n; j += L)
+              pstoreu(yr + j, pmul(pmul(ploadu<Packet>(xr + j), pr), ploadu<Packet>(g + j)));
+            for (; j < n; ++j) yr[j] = xr[j] * rt * g[j];
+          } else {
+            for (; j + L <= n; j += L) pstoreu(yr + j, pmul(ploadu<Packet>(xr + j), pr));
+            for (; j < n; ++j) yr[j] = xr[j] * rt;
+          }
+        }
+        return;
+      }
+      // ColMajor: packets of rows; leftover rows padded; abnormal rows redone.
+      std::vector<T> rt(static_cast<std::size_t>(r1 - r0));
+      for (Index i = r0; i < r1; ++i) {
         const long double ri = r[static_cast<std::size_t>(i)];
-        if (!detail::normal_in<T>(ri)) {
-          exact_row(i);
-          continue;
-        }
-        const T* xr = xv.data + i * n;
-        T* yr = out + i * n;
-        const T rt = static_cast<T>(ri);
-        const Packet pr = pset1<Packet>(rt);
-        Index j = 0;
-        if (g) {
-          for (; j + L <= n; j += L)
-            pstoreu(yr + j, pmul(pmul(ploadu<Packet>(xr + j), pr), ploadu<Packet>(g + j)));
-          for (; j < n; ++j) yr[j] = xr[j] * rt * g[j];
-        } else {
-          for (; j + L <= n; j += L) pstoreu(yr + j, pmul(ploadu<Packet>(xr + j), pr));
-          for (; j < n; ++j) yr[j] = xr[j] * rt;
-        }
+        rt[static_cast<std::size_t>(i - r0)] = detail::normal_in<T>(ri) ? static_cast<T>(ri) : T(0);
       }
-      return;
-    }
-    // ColMajor: packets of rows; leftover rows padded.
-    std::vector<T> rt(static_cast<std::size_t>(rows));
-    for (Index i = 0; i < rows; ++i) {
-      const long double ri = r[static_cast<std::size_t>(i)];
-      rt[static_cast<std::size_t>(i)] = detail::normal_in<T>(ri) ? static_cast<T>(ri) : T(0);
-    }
-    auto lanes = [&](const T* xb, T* yb, Index ld, const T* rb) {
-      const Packet pr = ploadu<Packet>(rb);
-      for (Index j = 0; j < n; ++j) {
-        Packet v = pmul(ploadu<Packet>(xb + j * ld), pr);
-        if (g) v = pmul(v, pset1<Packet>(g[j]));
-        pstoreu(yb + j * ld, v);
+      auto lanes = [&](const T* xb, T* yb, Index ld, const T* rb) {
+        const Packet pr = ploadu<Packet>(rb);
+        for (Index j = 0; j < n; ++j) {
+          Packet v = pmul(ploadu<Packet>(xb + j * ld), pr);
+          if (g) v = pmul(v, pset1<Packet>(g[j]));
+          pstoreu(yb + j * ld, v);
+        }
+      };
+      Index i0 = r0;
+      for (; i0 + L <= r1; i0 += L) lanes(xv.data + i0, out + i0, rows, rt.data() + (i0 - r0));
+      if (i0 < r1) {
+        const Index m = r1 - i0;
+        std::vector<T> tmp(static_cast<std::size_t>(2 * L * n + L));
+        detail::gather_lanes(xv.data, rows, i0, m, n, Index(L), tmp.data());
+        detail::gather_values(rt.data(), i0 - r0, m, Index(L), tmp.data() + 2 * L * n);
+        lanes(tmp.data(), tmp.data() + L * n, L, tmp.data() + 2 * L * n);
+        detail::scatter_lanes(tmp.data() + L * n, rows, i0, m, n, Index(L), out);
       }
-    };
-    Index r0 = 0;
-    for (; r0 + L <= rows; r0 += L) lanes(xv.data + r0, out + r0, rows, rt.data() + r0);
-    if (r0 < rows) {
-      const Index m = rows - r0;
-      std::vector<T> tmp(static_cast<std::size_t>(2 * L * n + L));
-      detail::gather_lanes(xv.data, rows, r0, m, n, Index(L), tmp.data());
-      detail::gather_values(rt.data(), r0, m, Index(L), tmp.data() + 2 * L * n);
-      lanes(tmp.data(), tmp.data() + L * n, L, tmp.data() + 2 * L * n);
-      detail::scatter_lanes(tmp.data() + L * n, rows, r0, m, n, Index(L), out);
-    }
-    for (Index i = 0; i < rows; ++i)
-      if (!detail::normal_in<T>(r[static_cast<std::size_t>(i)])) exact_row(i);
+      for (Index i = r0; i < r1; ++i)
+        if (!detail::normal_in<T>(r[static_cast<std::size_t>(i)])) exact_row(i);
+    });
   }
 
   // dx = rstd * (g - x_hat * mean(g * x_hat)), x_hat = x * rstd, g = dy * weight:
   // no mean-subtraction term. One pass sums g * x; a second writes dx and
   // accumulates dweight = sum over rows of dy * x_hat (blocks of rows in T,
-  // blocks added in double in order).
-  template <typename X, typename DY>
-  void backward_impl(const X& x, const DY& dy, const detail::Matrix2D<T>* dxv,
+  // blocks added in double in order, fixed groups of blocks per thread).
+  template <typename Device, typename X, typename DY>
+  void backward_impl(const Device& device, const X& x, const DY& dy, const detail::Matrix2D<T>* dxv,
                      Eigen::Tensor<T, 1>* dweight, const NormStats<T>* saved) const {
     using namespace Eigen::internal;
     using Packet = typename detail::simd<T>::Packet;
@@ -335,32 +358,24 @@ class RMSNorm {
     }
     if (saved) detail::check_stats(kWho, saved->rstd, "rstd", xv.rows);
     const Index rows = xv.rows, n = xv.cols;
-    std::vector<long double> r;
-    if (saved) {
-      r.resize(static_cast<std::size_t>(rows));
-      for (Index i = 0; i < rows; ++i) r[static_cast<std::size_t>(i)] = saved->rstd(i);
-      // A saturated saved rstd: recompute that row's exactly.
-      bool any = false;
-      for (long double v : r) any = any || !detail::normal_in<T>(v);
-      if (any) {
-        const auto full = row_rstd(xv);
-        for (Index i = 0; i < rows; ++i)
-          if (!detail::normal_in<T>(r[static_cast<std::size_t>(i)])) r[static_cast<std::size_t>(i)] = full[static_cast<std::size_t>(i)];
-      }
-    } else {
-      r = row_rstd(xv);
-    }
+    const Index align = xv.row_major ? kRowBlock : L;
+    const Index units = (rows + align - 1) / align;
+    const Index groups = std::max<Index>(1, std::min<Index>(units, kGroups));
+    const detail::Split gsplit{rows, groups, align};
+    const Index parts = detail::parts_for(device, rows * n, groups);
+    const detail::Split psplit{groups, parts, 1};
     const auto pv = detail::param_view(!xv.row_major, options_.normalized_shape(), gamma(),
                                        static_cast<const T*>(nullptr), n);
     const T* g = pv.gamma;
     const T* dyp = dy.data();
     T* dx = dxv ? dxv->data : nullptr;
-    std::vector<double> dw_total(dweight ? static_cast<std::size_t>(n) : 0, 0.0);
+    std::vector<double> dw_part(dweight ? static_cast<std::size_t>(groups * n) : 0, 0.0);
     const Index rs = xv.row_major ? n : 1;
     const Index fs = xv.row_major ? 1 : rows;
+    std::vector<long double> r(static_cast<std::size_t>(rows));
 
     // Exact path for rows whose rstd is not a normal T.
-    auto exact_row = [&](Index i) {
+    auto exact_row = [&](Index i, double* dwp) {
       const long double ri = r[static_cast<std::size_t>(i)];
       long double sgx = 0;
       for (Index j = 0; j < n; ++j) {
@@ -372,121 +387,145 @@ class RMSNorm {
         const long double xh = static_cast<long double>(xv.data[i * rs + j * fs]) * ri;
         const long double gj = static_cast<long double>(dyp[i * rs + j * fs]) * (g ? static_cast<long double>(g[j]) : 1.0L);
         if (dx) dx[i * rs + j * fs] = static_cast<T>(ri * (gj - xh * c));
-        if (dweight) dw_total[static_cast<std::size_t>(j)] += static_cast<double>(static_cast<long double>(dyp[i * rs + j * fs]) * xh);
+        if (dwp) dwp[j] += static_cast<double>(static_cast<long double>(dyp[i * rs + j * fs]) * xh);
       }
     };
 
-    if (xv.row_major) {
-      constexpr Index kRowBlock = 64;
-      std::vector<T> acc(dweight ? static_cast<std::size_t>(n) : 0);
-      for (Index b0 = 0; b0 < rows; b0 += kRowBlock) {
-        const Index b1 = std::min(rows, b0 + kRowBlock);
-        std::fill(acc.begin(), acc.end(), T(0));
-        for (Index i = b0; i < b1; ++i) {
-          if (!detail::normal_in<T>(r[static_cast<std::size_t>(i)])) {
-            exact_row(i);
-            continue;
+    detail::run_parts(device, parts, [&](Index p) {
+      for (Index gi = psplit.begin(p); gi < psplit.begin(p + 1); ++gi) {
+        const Index g0 = gsplit.begin(gi), g1 = gsplit.begin(gi + 1);
+        double* dwp = dweight ? dw_part.data() + gi * n : nullptr;
+        // rstd: saved (a saturated one is recomputed exactly), or recomputed.
+        if (saved) {
+          bool any = false;
+          for (Index i = g0; i < g1; ++i) {
+            r[static_cast<std::size_t>(i)] = saved->rstd(i);
+            any = any || !detail::normal_in<T>(r[static_cast<std::size_t>(i)]);
           }
-          const T* xr = xv.data + i * n;
-          const T* gr = dyp + i * n;
-          const T rt = static_cast<T>(r[static_cast<std::size_t>(i)]);
-          Packet s0 = pset1<Packet>(T(0)), s1 = s0;
-          Index j = 0;
-          for (; j + 2 * L <= n; j += 2 * L) {
-            Packet g0 = ploadu<Packet>(gr + j), g1 = ploadu<Packet>(gr + j + L);
-            if (g) {
-              g0 = pmul(g0, ploadu<Packet>(g + j));
-              g1 = pmul(g1, ploadu<Packet>(g + j + L));
+          if (any) {
+            std::vector<long double> full(static_cast<std::size_t>(rows));
+            row_rstd(xv, g0, g1, full.data());
+            for (Index i = g0; i < g1; ++i)
+              if (!detail::normal_in<T>(r[static_cast<std::size_t>(i)])) r[static_cast<std::size_t>(i)] = full[static_cast<std::size_t>(i)];
+          }
+        } else {
+          row_rstd(xv, g0, g1, r.data());
+        }
+        if (xv.row_major) {
+          std::vector<T> acc(dweight ? static_cast<std::size_t>(n) : 0);
+          for (Index b0 = g0; b0 < g1; b0 += kRowBlock) {
+            const Index b1 = std::min(g1, b0 + kRowBlock);
+            std::fill(acc.begin(), acc.end(), T(0));
+            for (Index i = b0; i < b1; ++i) {
+              if (!detail::normal_in<T>(r[static_cast<std::size_t>(i)])) {
+                exact_row(i, dwp);
+                continue;
+              }
+              const T* xr = xv.data + i * n;
+              const T* gr = dyp + i * n;
+              const T rt = static_cast<T>(r[static_cast<std::size_t>(i)]);
+              Packet s0 = pset1<Packet>(T(0)), s1 = s0;
+              Index j = 0;
+              for (; j + 2 * L <= n; j += 2 * L) {
+                Packet g0v = ploadu<Packet>(gr + j), g1v = ploadu<Packet>(gr + j + L);
+                if (g) {
+                  g0v = pmul(g0v, ploadu<Packet>(g + j));
+                  g1v = pmul(g1v, ploadu<Packet>(g + j + L));
+                }
+                s0 = pmadd(g0v, ploadu<Packet>(xr + j), s0);
+                s1 = pmadd(g1v, ploadu<Packet>(xr + j + L), s1);
+              }
+              for (; j + L <= n; j += L) {
+                Packet g0v = ploadu<Packet>(gr + j);
+                if (g) g0v = pmul(g0v, ploadu<Packet>(g + j));
+                s0 = pmadd(g0v, ploadu<Packet>(xr + j), s0);
+              }
+              double sgx = static_cast<double>(predux(padd(s0, s1)));
+              for (; j < n; ++j)
+                sgx += static_cast<double>(g ? gr[j] * g[j] : gr[j]) * static_cast<double>(xr[j]);
+              const T c = static_cast<T>(static_cast<double>(rt) * sgx / static_cast<double>(n));
+              const Packet pr = pset1<Packet>(rt), pc = pset1<Packet>(c);
+              j = 0;
+              for (; j + L <= n; j += L) {
+                const Packet dyv = ploadu<Packet>(gr + j);
+                const Packet xh = pmul(ploadu<Packet>(xr + j), pr);
+                if (dx) {
+                  const Packet gv = g ? pmul(dyv, ploadu<Packet>(g + j)) : dyv;
+                  pstoreu(dx + i * n + j, pmul(pr, psub(gv, pmul(xh, pc))));
+                }
+                if (dwp) pstoreu(acc.data() + j, pmadd(dyv, xh, ploadu<Packet>(acc.data() + j)));
+              }
+              for (; j < n; ++j) {
+                const T xh = xr[j] * rt;
+                if (dx) dx[i * n + j] = rt * ((g ? gr[j] * g[j] : gr[j]) - xh * c);
+                if (dwp) acc[static_cast<std::size_t>(j)] = detail::madd(gr[j], xh, acc[static_cast<std::size_t>(j)]);
+              }
             }
-            s0 = pmadd(g0, ploadu<Packet>(xr + j), s0);
-            s1 = pmadd(g1, ploadu<Packet>(xr + j + L), s1);
+            for (Index j = 0; dwp && j < n; ++j) dwp[j] += static_cast<double>(acc[static_cast<std::size_t>(j)]);
           }
-          for (; j + L <= n; j += L) {
-            Packet g0 = ploadu<Packet>(gr + j);
-            if (g) g0 = pmul(g0, ploadu<Packet>(g + j));
-            s0 = pmadd(g0, ploadu<Packet>(xr + j), s0);
+          continue;
+        }
+        // ColMajor: packets of rows, leftover rows padded; rows with an
+        // abnormal rstd get rstd 0 in the packet pass and are redone exactly.
+        std::vector<T> rt(static_cast<std::size_t>(g1 - g0));
+        for (Index i = g0; i < g1; ++i) {
+          const long double ri = r[static_cast<std::size_t>(i)];
+          rt[static_cast<std::size_t>(i - g0)] = detail::normal_in<T>(ri) ? static_cast<T>(ri) : T(0);
+        }
+        auto lanes = [&](const T* xb, const T* dyb, T* dxb, Index ld, const T* rb, Index active) {
+          const Packet pr = ploadu<Packet>(rb);
+          Packet sacc = pset1<Packet>(T(0));
+          for (Index j = 0; j < n; ++j) {
+            Packet gv = ploadu<Packet>(dyb + j * ld);
+            if (g) gv = pmul(gv, pset1<Packet>(g[j]));
+            sacc = pmadd(gv, ploadu<Packet>(xb + j * ld), sacc);
           }
-          double sgx = static_cast<double>(predux(padd(s0, s1)));
-          for (; j < n; ++j)
-            sgx += static_cast<double>(g ? gr[j] * g[j] : gr[j]) * static_cast<double>(xr[j]);
-          const T c = static_cast<T>(static_cast<double>(rt) * sgx / static_cast<double>(n));
-          const Packet pr = pset1<Packet>(rt), pc = pset1<Packet>(c);
-          j = 0;
-          for (; j + L <= n; j += L) {
-            const Packet dyv = ploadu<Packet>(gr + j);
-            const Packet xh = pmul(ploadu<Packet>(xr + j), pr);
-            if (dx) {
-              const Packet gv = g ? pmul(dyv, ploadu<Packet>(g + j)) : dyv;
-              pstoreu(dx + i * n + j, pmul(pr, psub(gv, pmul(xh, pc))));
+          alignas(64) T sb[L], cb[L], mask[L];
+          pstoreu(sb, sacc);
+          for (int l = 0; l < L; ++l) {
+            cb[l] = static_cast<T>(static_cast<double>(rb[l]) * static_cast<double>(sb[l]) / static_cast<double>(n));
+            mask[l] = (l < active && rb[l] != T(0)) ? T(1) : T(0);
+          }
+          const Packet pc = ploadu<Packet>(cb), pm = ploadu<Packet>(mask);
+          for (Index j = 0; j < n; ++j) {
+            const Packet dyv = ploadu<Packet>(dyb + j * ld);
+            const Packet xh = pmul(ploadu<Packet>(xb + j * ld), pr);
+            if (dxb) {
+              const Packet gv = g ? pmul(dyv, pset1<Packet>(g[j])) : dyv;
+              pstoreu(dxb + j * ld, pmul(pr, psub(gv, pmul(xh, pc))));
             }
-            if (dweight) pstoreu(acc.data() + j, pmadd(dyv, xh, ploadu<Packet>(acc.data() + j)));
+            if (dwp) dwp[j] += static_cast<double>(predux(pmul(pmul(dyv, pm), xh)));
           }
-          for (; j < n; ++j) {
-            const T xh = xr[j] * rt;
-            if (dx) dx[i * n + j] = rt * ((g ? gr[j] * g[j] : gr[j]) - xh * c);
-            if (dweight) acc[static_cast<std::size_t>(j)] = detail::madd(gr[j], xh, acc[static_cast<std::size_t>(j)]);
-          }
+        };
+        Index i0 = g0;
+        for (; i0 + L <= g1; i0 += L)
+          lanes(xv.data + i0, dyp + i0, dx ? dx + i0 : nullptr, rows, rt.data() + (i0 - g0), L);
+        if (i0 < g1) {
+          const Index m = g1 - i0;
+          std::vector<T> tmp(static_cast<std::size_t>(3 * L * n + L));
+          T* tx = tmp.data();
+          T* tdy = tx + L * n;
+          T* tdx = tdy + L * n;
+          detail::gather_lanes(xv.data, rows, i0, m, n, Index(L), tx);
+          detail::gather_lanes(dyp, rows, i0, m, n, Index(L), tdy);
+          detail::gather_values(rt.data(), i0 - g0, m, Index(L), tdx + L * n);
+          lanes(tx, tdy, dx ? tdx : nullptr, L, tdx + L * n, m);
+          if (dx) detail::scatter_lanes(tdx, rows, i0, m, n, Index(L), dx);
         }
-        for (Index j = 0; dweight && j < n; ++j) dw_total[static_cast<std::size_t>(j)] += static_cast<double>(acc[static_cast<std::size_t>(j)]);
+        for (Index i = g0; i < g1; ++i)
+          if (!detail::normal_in<T>(r[static_cast<std::size_t>(i)])) exact_row(i, dwp);
       }
-    } else {
-      // ColMajor: packets of rows, leftover rows padded; rows with an
-      // abnormal rstd get rstd 0 in the packet pass and are redone exactly.
-      std::vector<T> rt(static_cast<std::size_t>(rows));
-      for (Index i = 0; i < rows; ++i) {
-        const long double ri = r[static_cast<std::size_t>(i)];
-        rt[static_cast<std::size_t>(i)] = detail::normal_in<T>(ri) ? static_cast<T>(ri) : T(0);
-      }
-      auto lanes = [&](const T* xb, const T* dyb, T* dxb, Index ld, const T* rb, Index active) {
-        const Packet pr = ploadu<Packet>(rb);
-        Packet s = pset1<Packet>(T(0));
-        for (Index j = 0; j < n; ++j) {
-          Packet gv = ploadu<Packet>(dyb + j * ld);
-          if (g) gv = pmul(gv, pset1<Packet>(g[j]));
-          s = pmadd(gv, ploadu<Packet>(xb + j * ld), s);
-        }
-        alignas(64) T sb[L], cb[L], mask[L];
-        pstoreu(sb, s);
-        for (int l = 0; l < L; ++l) {
-          cb[l] = static_cast<T>(static_cast<double>(rb[l]) * static_cast<double>(sb[l]) / static_cast<double>(n));
-          mask[l] = (l < active && rb[l] != T(0)) ? T(1) : T(0);
-        }
-        const Packet pc = ploadu<Packet>(cb), pm = ploadu<Packet>(mask);
-        for (Index j = 0; j < n; ++j) {
-          const Packet dyv = ploadu<Packet>(dyb + j * ld);
-          const Packet xh = pmul(ploadu<Packet>(xb + j * ld), pr);
-          if (dxb) {
-            const Packet gv = g ? pmul(dyv, pset1<Packet>(g[j])) : dyv;
-            pstoreu(dxb + j * ld, pmul(pr, psub(gv, pmul(xh, pc))));
-          }
-          if (dweight) dw_total[static_cast<std::size_t>(j)] += static_cast<double>(predux(pmul(pmul(dyv, pm), xh)));
-        }
-      };
-      Index r0 = 0;
-      for (; r0 + L <= rows; r0 += L)
-        lanes(xv.data + r0, dyp + r0, dx ? dx + r0 : nullptr, rows, rt.data() + r0, L);
-      if (r0 < rows) {
-        const Index m = rows - r0;
-        std::vector<T> tmp(static_cast<std::size_t>(3 * L * n + L));
-        T* tx = tmp.data();
-        T* tdy = tx + L * n;
-        T* tdx = tdy + L * n;
-        detail::gather_lanes(xv.data, rows, r0, m, n, Index(L), tx);
-        detail::gather_lanes(dyp, rows, r0, m, n, Index(L), tdy);
-        detail::gather_values(rt.data(), r0, m, Index(L), tdx + L * n);
-        lanes(tx, tdy, dx ? tdx : nullptr, L, tdx + L * n, m);
-        if (dx) detail::scatter_lanes(tdx, rows, r0, m, n, Index(L), dx);
-      }
-      for (Index i = 0; i < rows; ++i)
-        if (!detail::normal_in<T>(r[static_cast<std::size_t>(i)])) exact_row(i);
-    }
+    });
     if (dweight) {
       std::vector<Index> perm;
       const bool permute = !xv.row_major && options_.normalized_shape().size() > 1;
       if (permute) perm = detail::colmajor_to_rowmajor(options_.normalized_shape());
       detail::resize_vector(*dweight, n);
-      for (Index c = 0; c < n; ++c)
-        (*dweight)(permute ? perm[static_cast<std::size_t>(c)] : c) = static_cast<T>(dw_total[static_cast<std::size_t>(c)]);
+      for (Index c = 0; c < n; ++c) {
+        double t = 0;
+        for (Index gi = 0; gi < groups; ++gi) t += dw_part[static_cast<std::size_t>(gi * n + c)];
+        (*dweight)(permute ? perm[static_cast<std::size_t>(c)] : c) = static_cast<T>(t);
+      }
     }
   }
 

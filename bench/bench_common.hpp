@@ -1,0 +1,125 @@
+// normcore benchmark suite: what every implementation file shares.
+//
+// A Case is one operation on one shape. An implementation ("normcore",
+// "eigen", "torch", ...) turns a Case and its Inputs into a Runner: the
+// runner allocates whatever outputs it needs when it is made, run() is the
+// timed call, and collect() copies the results out (untimed) so that they
+// can be compared with normcore's reference path.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace nbench {
+
+enum class Op {
+  LN_fwd,        // LayerNorm forward, statistics not kept
+  LN_fwd_stats,  // LayerNorm forward, mean and rstd saved for backward
+  LN_bwd,        // LayerNorm backward: dx, dweight, dbias
+  RMS_fwd,       // RMSNorm forward
+  RMS_bwd,       // RMSNorm backward: dx, dweight
+  BN_train,      // BatchNorm forward in training mode (batch statistics)
+  BN_eval,       // BatchNorm forward in eval mode (running statistics)
+  BN_bwd,        // BatchNorm backward: dx, dweight, dbias
+};
+
+enum class Layout { Rows, NCHW, NHWC };
+
+inline bool is_backward(Op op) { return op == Op::LN_bwd || op == Op::RMS_bwd || op == Op::BN_bwd; }
+inline bool is_batch_norm(Op op) { return op == Op::BN_train || op == Op::BN_eval || op == Op::BN_bwd; }
+
+struct Case {
+  Op op;
+  Layout layout;
+  // Row norms: {rows, hidden}. BatchNorm: {N, C, H, W} (H = W = 1 for the
+  // (N, C) shape), logical order whatever the memory layout.
+  std::vector<std::int64_t> dims;
+
+  std::int64_t elements() const {
+    std::int64_t n = 1;
+    for (auto d : dims) n *= d;
+    return n;
+  }
+  std::int64_t rows() const { return dims[0]; }
+  std::int64_t hidden() const { return dims[1]; }
+  std::int64_t N() const { return dims[0]; }
+  std::int64_t C() const { return dims[1]; }
+  std::int64_t HW() const { return dims[2] * dims[3]; }
+  bool is_2d_bn() const { return dims[2] == 1 && dims[3] == 1; }
+  /// Minimum memory traffic in bytes: forward reads x and writes y, backward
+  /// reads x and dy and writes dx. Parameters and statistics are not counted.
+  double bytes() const { return (is_backward(op) ? 3.0 : 2.0) * 4.0 * static_cast<double>(elements()); }
+  std::string op_name() const;     // e.g. "LN_fwd", "BN_train_nhwc"
+  std::string shape_name() const;  // e.g. "512x768", "32x64x56x56", "4096x512"
+};
+
+constexpr double kLnEps = 1e-5;
+constexpr double kRmsEps = 1e-6;
+constexpr double kBnEps = 1e-5;
+constexpr double kBnMomentum = 0.1;
+
+/// Inputs of a case, shared (read-only) by every implementation. Data are in
+/// memory order of the case's layout: row-major rows x hidden; NCHW or NHWC
+/// contiguous for BatchNorm.
+struct Inputs {
+  const float* x = nullptr;
+  const float* dy = nullptr;
+  const float* gamma = nullptr;         // hidden (row norms) or C
+  const float* beta = nullptr;          // hidden or C
+  const float* running_mean = nullptr;  // C (BatchNorm eval)
+  const float* running_var = nullptr;   // C (BatchNorm eval)
+};
+
+/// What an implementation produced, for the comparison with the reference.
+/// `out` is y (forward) or dx (backward) in the memory order of the inputs.
+struct Result {
+  std::vector<float> out;
+  std::vector<float> dweight;  // empty when the op has none
+  std::vector<float> dbias;
+  std::vector<float> mean;  // saved statistics when the op saves them
+  std::vector<float> rstd;  // (rstd, or invstd for BatchNorm)
+};
+
+class Runner {
+ public:
+  virtual ~Runner() = default;
+  virtual void run() = 0;
+  virtual void collect(Result& r) = 0;
+};
+
+using RunnerPtr = std::unique_ptr<Runner>;
+/// Returns nullptr when the implementation does not support the case.
+using Factory = std::function<RunnerPtr(const Case&, const Inputs&)>;
+
+struct Impl {
+  std::string name;
+  std::function<bool(const Case&)> supports;  // decides registration
+  Factory make;
+};
+
+/// Registration hooks of the implementation files; each appends what it has.
+void add_normcore_impls(std::vector<Impl>& out);  // normcore, reference, eigen
+void add_copy_impl(std::vector<Impl>& out);      // memcpy: the roofline
+#ifdef NORMCORE_BENCH_HAVE_TORCH
+void add_torch_impls(std::vector<Impl>& out);
+std::string torch_info();  // version and CPU capability, for the context
+#endif
+#ifdef NORMCORE_BENCH_HAVE_DNNL
+void add_dnnl_impls(std::vector<Impl>& out);
+std::string dnnl_info();
+#endif
+
+/// Threads the peers may use (set once by main before anything runs).
+int threads();
+void set_threads(int n);
+
+/// Helpers for runners: float copies of double data, and a float buffer
+/// whose pages are touched at construction.
+std::vector<float> to_float(const std::vector<double>& v);
+std::vector<float> copy_of(const float* p, std::size_t n);
+
+}  // namespace nbench

@@ -1,0 +1,540 @@
+// The in-tree implementations: normcore itself, normcore's reference path
+// (plain double loops), and the Eigen Tensor expression a user would write by
+// hand for each operation.
+
+// The Eigen baseline runs on a ThreadPoolDevice when the suite uses more than
+// one thread. (Only this file includes Eigen's Tensor module.)
+#define EIGEN_USE_THREADS
+#include <cmath>
+#include <memory>
+#include <vector>
+
+#include <normcore/normcore.hpp>
+#include <normcore/reference/reference.hpp>
+
+#if __has_include(<normcore/rms_norm.hpp>)
+#include <normcore/rms_norm.hpp>
+#define NBENCH_HAVE_RMS 1
+#else
+#define NBENCH_HAVE_RMS 0
+#endif
+#if __has_include(<normcore/batch_norm.hpp>)
+#include <normcore/batch_norm.hpp>
+#define NBENCH_HAVE_BN 1
+#else
+#define NBENCH_HAVE_BN 0
+#endif
+#if __has_include(<normcore/reference/rms_norm.hpp>)
+#include <normcore/reference/rms_norm.hpp>
+#define NBENCH_HAVE_RMS_REF 1
+#else
+#define NBENCH_HAVE_RMS_REF 0
+#endif
+#if __has_include(<normcore/reference/batch_norm.hpp>)
+#include <normcore/reference/batch_norm.hpp>
+#define NBENCH_HAVE_BN_REF 1
+#else
+#define NBENCH_HAVE_BN_REF 0
+#endif
+
+#include <unsupported/Eigen/CXX11/Tensor>
+
+#include "bench_common.hpp"
+
+namespace nbench {
+namespace {
+
+using Idx = Eigen::Index;
+template <int R>
+using CMap = Eigen::TensorMap<Eigen::Tensor<const float, R, Eigen::RowMajor>>;
+template <int R>
+using Map = Eigen::TensorMap<Eigen::Tensor<float, R, Eigen::RowMajor>>;
+using Vec = Eigen::Tensor<float, 1, Eigen::RowMajor>;
+
+bool is_row_op(Op op) {
+  return op == Op::LN_fwd || op == Op::LN_fwd_stats || op == Op::LN_bwd || op == Op::RMS_fwd ||
+         op == Op::RMS_bwd;
+}
+bool is_rms(Op op) { return op == Op::RMS_fwd || op == Op::RMS_bwd; }
+
+void to_vec(const float* p, Idx n, Vec& v) {
+  v.resize(n);
+  for (Idx i = 0; i < n; ++i) v(i) = p[i];
+}
+std::vector<float> from_tensor(const Eigen::Tensor<float, 1>& t) {
+  return std::vector<float>(t.data(), t.data() + t.size());
+}
+
+// ---------------------------------------------------------------- normcore
+
+class NcLayerNorm : public Runner {
+ public:
+  NcLayerNorm(const Case& c, const Inputs& in)
+      : c_(c), in_(in), ln_(normcore::LayerNormOptions({c.hidden()}).eps(kLnEps)),
+        out_(static_cast<std::size_t>(c.elements())) {
+    for (Idx j = 0; j < c.hidden(); ++j) {
+      ln_.weight()(j) = in.gamma[j];
+      ln_.bias()(j) = in.beta[j];
+    }
+    if (c.op == Op::LN_bwd) {  // statistics from an untimed forward
+      std::vector<float> y(out_.size());
+      Map<2> ym(y.data(), c.rows(), c.hidden());
+      ln_.forward(x(), ym, stats_);
+    }
+  }
+  void run() override {
+    Map<2> o(out_.data(), c_.rows(), c_.hidden());
+    switch (c_.op) {
+      case Op::LN_fwd: ln_.forward(x(), o); break;
+      case Op::LN_fwd_stats: ln_.forward(x(), o, stats_); break;
+      default: {
+        CMap<2> dy(in_.dy, c_.rows(), c_.hidden());
+        ln_.backward(x(), dy, &o, &dw_, &db_, &stats_);
+      }
+    }
+  }
+  void collect(Result& r) override {
+    r.out = out_;
+    if (c_.op == Op::LN_bwd) {
+      r.dweight = from_tensor(dw_);
+      r.dbias = from_tensor(db_);
+    } else if (c_.op == Op::LN_fwd_stats) {
+      r.mean = from_tensor(stats_.mean);
+      r.rstd = from_tensor(stats_.rstd);
+    }
+  }
+
+ private:
+  CMap<2> x() const { return CMap<2>(in_.x, c_.rows(), c_.hidden()); }
+  Case c_;
+  Inputs in_;
+  normcore::LayerNorm<float> ln_;
+  normcore::NormStats<float> stats_;
+  Eigen::Tensor<float, 1> dw_, db_;
+  std::vector<float> out_;
+};
+
+#if NBENCH_HAVE_RMS
+class NcRmsNorm : public Runner {
+ public:
+  NcRmsNorm(const Case& c, const Inputs& in)
+      : c_(c), in_(in), rn_(normcore::RMSNormOptions({c.hidden()}).eps(kRmsEps)),
+        out_(static_cast<std::size_t>(c.elements())) {
+    for (Idx j = 0; j < c.hidden(); ++j) rn_.weight()(j) = in.gamma[j];
+    if (c.op == Op::RMS_bwd) {
+      std::vector<float> y(out_.size());
+      Map<2> ym(y.data(), c.rows(), c.hidden());
+      rn_.forward(x(), ym, stats_);
+    }
+  }
+  void run() override {
+    Map<2> o(out_.data(), c_.rows(), c_.hidden());
+    if (c_.op == Op::RMS_fwd) {
+      rn_.forward(x(), o);
+    } else {
+      CMap<2> dy(in_.dy, c_.rows(), c_.hidden());
+      rn_.backward(x(), dy, &o, &dw_, &stats_);
+    }
+  }
+  void collect(Result& r) override {
+    r.out = out_;
+    if (c_.op == Op::RMS_bwd) r.dweight = from_tensor(dw_);
+  }
+
+ private:
+  CMap<2> x() const { return CMap<2>(in_.x, c_.rows(), c_.hidden()); }
+  Case c_;
+  Inputs in_;
+  normcore::RMSNorm<float> rn_;
+  normcore::NormStats<float> stats_;
+  Eigen::Tensor<float, 1> dw_;
+  std::vector<float> out_;
+};
+#endif
+
+#if NBENCH_HAVE_BN
+// NCHW: a rank-4 map (N, C, H, W) with channel axis 1. NHWC: (N, H, W, C)
+// with the channel axis last. The (N, C) shape: a rank-2 map, axis 1.
+class NcBatchNorm : public Runner {
+ public:
+  NcBatchNorm(const Case& c, const Inputs& in)
+      : c_(c), in_(in), bn_(make_bn(c)), out_(static_cast<std::size_t>(c.elements())) {
+    for (Idx j = 0; j < c.C(); ++j) {
+      bn_.weight()(j) = in.gamma[j];
+      bn_.bias()(j) = in.beta[j];
+      bn_.running_mean()(j) = in.running_mean[j];
+      bn_.running_var()(j) = in.running_var[j];
+    }
+    if (c.op == Op::BN_eval) {
+      bn_.eval();
+    } else {
+      bn_.train();
+    }
+    if (c.op == Op::BN_bwd) {
+      std::vector<float> y(out_.size());
+      dispatch(in.x, y.data(), [&](auto x, auto yv) { bn_.forward(x, yv, stats_); });
+    }
+  }
+  void run() override {
+    switch (c_.op) {
+      case Op::BN_train:
+        dispatch(in_.x, out_.data(), [&](auto x, auto y) { bn_.forward(x, y, stats_); });
+        break;
+      case Op::BN_eval:
+        dispatch(in_.x, out_.data(), [&](auto x, auto y) { bn_.forward(x, y); });
+        break;
+      default:
+        dispatch(in_.x, out_.data(), [&](auto x, auto dx) {
+          decltype(x) dy(in_.dy, x.dimensions());
+          bn_.backward(x, dy, &dx, &dw_, &db_, &stats_);
+        });
+    }
+  }
+  void collect(Result& r) override {
+    r.out = out_;
+    if (c_.op == Op::BN_bwd) {
+      r.dweight = from_tensor(dw_);
+      r.dbias = from_tensor(db_);
+    } else if (c_.op == Op::BN_train) {
+      r.mean = from_tensor(stats_.mean);
+      r.rstd = from_tensor(stats_.rstd);
+    }
+  }
+
+ private:
+  static normcore::BatchNorm<float> make_bn(const Case& c) {
+    const bool last = c.layout == Layout::NHWC && !c.is_2d_bn();
+    return normcore::BatchNorm<float>(
+        normcore::BatchNormOptions(c.C()).eps(kBnEps).momentum(kBnMomentum).channel_axis(last ? -1 : 1));
+  }
+  template <typename F>
+  void dispatch(const float* x, float* y, F&& f) {
+    if (c_.is_2d_bn()) {
+      f(CMap<2>(x, c_.N(), c_.C()), Map<2>(y, c_.N(), c_.C()));
+    } else if (c_.layout == Layout::NCHW) {
+      f(CMap<4>(x, c_.N(), c_.C(), c_.dims[2], c_.dims[3]),
+        Map<4>(y, c_.N(), c_.C(), c_.dims[2], c_.dims[3]));
+    } else {
+      f(CMap<4>(x, c_.N(), c_.dims[2], c_.dims[3], c_.C()),
+        Map<4>(y, c_.N(), c_.dims[2], c_.dims[3], c_.C()));
+    }
+  }
+  Case c_;
+  Inputs in_;
+  normcore::BatchNorm<float> bn_;
+  normcore::NormStats<float> stats_;
+  Eigen::Tensor<float, 1> dw_, db_;
+  std::vector<float> out_;
+};
+#endif
+
+// ----------------------------------------------------------- reference path
+
+class RefRunner : public Runner {
+ public:
+  RefRunner(const Case& c, const Inputs& in) : c_(c), in_(in) {}
+  void run() override {
+    const std::ptrdiff_t rows = c_.rows(), n = c_.hidden();
+    switch (c_.op) {
+      case Op::LN_fwd:
+        y_ = normcore::reference::layer_norm_forward(in_.x, rows, n, in_.gamma, in_.beta, kLnEps);
+        break;
+      case Op::LN_fwd_stats:
+        y_ = normcore::reference::layer_norm_forward(in_.x, rows, n, in_.gamma, in_.beta, kLnEps,
+                                                     &stats_);
+        break;
+      case Op::LN_bwd:
+        g_ = normcore::reference::layer_norm_backward(in_.x, in_.dy, rows, n, in_.gamma, kLnEps);
+        break;
+#if NBENCH_HAVE_RMS_REF
+      case Op::RMS_fwd:
+        y_ = normcore::reference::rms_norm_forward(in_.x, rows, n, in_.gamma, kRmsEps);
+        break;
+      case Op::RMS_bwd:
+        g_ = normcore::reference::rms_norm_backward(in_.x, in_.dy, rows, n, in_.gamma, kRmsEps);
+        break;
+#endif
+      default: run_bn(); break;
+    }
+  }
+  void collect(Result& r) override {
+    if (is_backward(c_.op)) {
+      r.out = to_float(g_.dx);
+      r.dweight = to_float(g_.dweight);
+      if (c_.op != Op::RMS_bwd) r.dbias = to_float(g_.dbias);
+    } else {
+      r.out = to_float(y_);
+      if (c_.op == Op::LN_fwd_stats || c_.op == Op::BN_train) {
+        r.mean = to_float(stats_.mean);
+        r.rstd = to_float(stats_.rstd);
+      }
+    }
+  }
+
+ private:
+  void run_bn();
+  Case c_;
+  Inputs in_;
+  std::vector<double> y_;
+  normcore::reference::RowStats stats_;
+  normcore::reference::Grads g_;
+};
+
+void RefRunner::run_bn() {
+#if NBENCH_HAVE_BN_REF
+  // Reference BatchNorm works on (outer, C, inner) data: NCHW is (N, C, HW),
+  // NHWC is (N*HW, C, 1).
+  const bool nhwc = c_.layout == Layout::NHWC || c_.is_2d_bn();
+  const std::ptrdiff_t outer = nhwc ? c_.N() * c_.HW() : c_.N();
+  const std::ptrdiff_t inner = nhwc ? 1 : c_.HW();
+  const std::ptrdiff_t C = c_.C();
+  namespace ref = normcore::reference;
+  switch (c_.op) {
+    case Op::BN_train: {  // batch statistics, then normalize
+      const ref::ChannelStats st = ref::channel_stats(in_.x, outer, C, inner);
+      y_ = ref::batch_norm_forward(in_.x, outer, C, inner, st.mean, st.var, in_.gamma, in_.beta, kBnEps);
+      stats_.mean = st.mean;
+      stats_.rstd.resize(st.var.size());
+      for (std::size_t c = 0; c < st.var.size(); ++c) stats_.rstd[c] = 1.0 / std::sqrt(st.var[c] + kBnEps);
+      break;
+    }
+    case Op::BN_eval: {
+      const std::vector<double> rm(in_.running_mean, in_.running_mean + C);
+      const std::vector<double> rv(in_.running_var, in_.running_var + C);
+      y_ = ref::batch_norm_forward(in_.x, outer, C, inner, rm, rv, in_.gamma, in_.beta, kBnEps);
+      break;
+    }
+    default: {
+      const ref::ChannelStats st = ref::channel_stats(in_.x, outer, C, inner);
+      g_ = ref::batch_norm_backward(in_.x, in_.dy, outer, C, inner, st.mean, st.var, in_.gamma,
+                                    kBnEps, true);
+    }
+  }
+#endif
+}
+
+bool ref_supports(const Case& c) {
+  if (is_rms(c.op)) return NBENCH_HAVE_RMS_REF;
+  if (is_batch_norm(c.op)) return NBENCH_HAVE_BN_REF;
+  return true;
+}
+
+// ------------------------------------------- Eigen Tensor expressions by hand
+//
+// What a user writes without normcore: reductions and broadcasts, several
+// passes, evaluated on Eigen's default device (one thread) or on a
+// ThreadPoolDevice with the suite's thread count.
+
+class EigenRunner : public Runner {
+ public:
+  EigenRunner(const Case& c, const Inputs& in)
+      : c_(c), in_(in), out_(static_cast<std::size_t>(c.elements())) {
+    if (threads() > 1) {
+      pool_ = std::make_unique<Eigen::ThreadPool>(threads());
+      dev_ = std::make_unique<Eigen::ThreadPoolDevice>(pool_.get(), threads());
+    }
+    if (is_row_op(c.op)) {
+      rows_ = c.rows();
+      n_ = c.hidden();
+      to_vec(in.gamma, n_, gamma_);
+      to_vec(in.beta, n_, beta_);
+    } else {
+      // (outer, C, inner): NCHW -> (N, C, HW); NHWC and (N, C) -> (N*HW, C, 1).
+      const bool nhwc = c.layout == Layout::NHWC || c.is_2d_bn();
+      a_ = nhwc ? c.N() * c.HW() : c.N();
+      ch_ = c.C();
+      b_ = nhwc ? 1 : c.HW();
+      to_vec(in.gamma, ch_, gamma_);
+      to_vec(in.beta, ch_, beta_);
+      to_vec(in.running_mean, ch_, rmean_);
+      to_vec(in.running_var, ch_, rvar_);
+    }
+    if (is_backward(c.op)) {  // saved statistics from the untimed forward
+      const Op fwd = c.op == Op::LN_bwd ? Op::LN_fwd_stats : c.op == Op::RMS_bwd ? Op::RMS_fwd : Op::BN_train;
+      const Op saved = c_.op;
+      c_.op = fwd;
+      run();
+      c_.op = saved;
+    }
+  }
+
+  void run() override {
+    if (dev_) {
+      body(*dev_);
+    } else {
+      body(Eigen::DefaultDevice());
+    }
+  }
+
+  void collect(Result& r) override {
+    r.out = out_;
+    auto v = [](const Vec& t) { return std::vector<float>(t.data(), t.data() + t.size()); };
+    switch (c_.op) {
+      case Op::LN_fwd_stats:
+      case Op::BN_train:
+        r.mean = v(mean_);
+        r.rstd = v(rstd_);
+        break;
+      case Op::LN_bwd:
+      case Op::BN_bwd:
+        r.dweight = v(dw_);
+        r.dbias = v(db_);
+        break;
+      case Op::RMS_bwd: r.dweight = v(dw_); break;
+      default: break;
+    }
+  }
+
+ private:
+  template <typename Device>
+  void body(const Device& d) {
+    if (is_row_op(c_.op)) {
+      rows_body(d);
+    } else {
+      bn_body(d);
+    }
+  }
+
+  template <typename Device>
+  void rows_body(const Device& d) {
+    const Idx rows = rows_, n = n_;
+    CMap<2> X(in_.x, rows, n);
+    Map<2> Y(out_.data(), rows, n);
+    const Eigen::array<Idx, 1> along_row{{1}}, along_col{{0}};
+    const Eigen::array<Idx, 2> as_col{{rows, 1}}, over_row{{1, n}};
+    const Eigen::array<Idx, 2> as_row{{1, n}}, over_col{{rows, 1}};
+    auto per_row = [&](const Vec& v) { return v.reshape(as_col).broadcast(over_row); };
+    auto per_col = [&](const Vec& v) { return v.reshape(as_row).broadcast(over_col); };
+    mean_.resize(rows);
+    rstd_.resize(rows);
+    switch (c_.op) {
+      case Op::LN_fwd:
+      case Op::LN_fwd_stats: {
+        mean_.device(d) = X.mean(along_row);
+        auto centered = X - per_row(mean_);
+        rstd_.device(d) = (centered.square().mean(along_row) + static_cast<float>(kLnEps)).rsqrt();
+        Y.device(d) = centered * per_row(rstd_) * per_col(gamma_) + per_col(beta_);
+        break;
+      }
+      case Op::LN_bwd: {
+        CMap<2> DY(in_.dy, rows, n);
+        auto xhat = (X - per_row(mean_)) * per_row(rstd_);
+        auto g = DY * per_col(gamma_);
+        Vec mg(rows), mgx(rows);
+        mg.device(d) = g.mean(along_row);
+        mgx.device(d) = (g * xhat).mean(along_row);
+        Y.device(d) = per_row(rstd_) * (g - per_row(mg) - xhat * per_row(mgx));
+        dw_.resize(n);
+        db_.resize(n);
+        dw_.device(d) = (DY * xhat).sum(along_col);
+        db_.device(d) = DY.sum(along_col);
+        break;
+      }
+      case Op::RMS_fwd: {
+        rstd_.device(d) = (X.square().mean(along_row) + static_cast<float>(kRmsEps)).rsqrt();
+        Y.device(d) = X * per_row(rstd_) * per_col(gamma_);
+        break;
+      }
+      default: {  // RMS_bwd
+        CMap<2> DY(in_.dy, rows, n);
+        auto xhat = X * per_row(rstd_);
+        auto g = DY * per_col(gamma_);
+        Vec mgx(rows);
+        mgx.device(d) = (g * xhat).mean(along_row);
+        Y.device(d) = per_row(rstd_) * (g - xhat * per_row(mgx));
+        dw_.resize(n);
+        dw_.device(d) = (DY * xhat).sum(along_col);
+      }
+    }
+  }
+
+  template <typename Device>
+  void bn_body(const Device& d) {
+    const Idx A = a_, C = ch_, B = b_;
+    CMap<3> X(in_.x, A, C, B);
+    Map<3> Y(out_.data(), A, C, B);
+    const Eigen::array<Idx, 2> red{{0, 2}};
+    const Eigen::array<Idx, 3> as_ch{{1, C, 1}}, over{{A, 1, B}};
+    auto per_ch = [&](const Vec& v) { return v.reshape(as_ch).broadcast(over); };
+    const float m = static_cast<float>(A * B);
+    switch (c_.op) {
+      case Op::BN_train: {
+        mean_.resize(C);
+        rstd_.resize(C);
+        mean_.device(d) = X.mean(red);
+        auto centered = X - per_ch(mean_);
+        Vec var(C);
+        var.device(d) = centered.square().mean(red);
+        rstd_.device(d) = (var + static_cast<float>(kBnEps)).rsqrt();
+        Vec scale(C);
+        scale.device(d) = rstd_ * gamma_;
+        Y.device(d) = centered * per_ch(scale) + per_ch(beta_);
+        // Running statistics, with the unbiased variance as PyTorch keeps it.
+        const float mom = static_cast<float>(kBnMomentum);
+        rmean_.device(d) = rmean_ * (1 - mom) + mean_ * mom;
+        rvar_.device(d) = rvar_ * (1 - mom) + var * (mom * m / (m > 1 ? m - 1 : 1));
+        break;
+      }
+      case Op::BN_eval: {
+        Vec scale(C), shift(C);
+        scale.device(d) = gamma_ * (rvar_ + static_cast<float>(kBnEps)).rsqrt();
+        shift.device(d) = beta_ - rmean_ * scale;
+        Y.device(d) = X * per_ch(scale) + per_ch(shift);
+        break;
+      }
+      default: {  // BN_bwd, from the saved batch statistics
+        CMap<3> DY(in_.dy, A, C, B);
+        auto xhat = (X - per_ch(mean_)) * per_ch(rstd_);
+        dw_.resize(C);
+        db_.resize(C);
+        db_.device(d) = DY.sum(red);
+        dw_.device(d) = (DY * xhat).sum(red);
+        Vec k(C), mdb(C), mdw(C);
+        k.device(d) = gamma_ * rstd_;
+        mdb.device(d) = db_ / m;
+        mdw.device(d) = dw_ / m;
+        Y.device(d) = per_ch(k) * (DY - per_ch(mdb) - xhat * per_ch(mdw));
+      }
+    }
+  }
+
+  Case c_;
+  Inputs in_;
+  std::vector<float> out_;
+  std::unique_ptr<Eigen::ThreadPool> pool_;
+  std::unique_ptr<Eigen::ThreadPoolDevice> dev_;
+  Idx rows_ = 0, n_ = 0, a_ = 0, ch_ = 0, b_ = 0;
+  Vec gamma_, beta_, rmean_, rvar_, mean_, rstd_, dw_, db_;
+};
+
+}  // namespace
+
+void add_normcore_impls(std::vector<Impl>& out) {
+  out.push_back({"normcore",
+                 [](const Case& c) {
+                   if (is_rms(c.op)) return bool(NBENCH_HAVE_RMS);
+                   if (is_batch_norm(c.op)) return bool(NBENCH_HAVE_BN);
+                   return true;
+                 },
+                 [](const Case& c, const Inputs& in) -> RunnerPtr {
+#if NBENCH_HAVE_RMS
+                   if (is_rms(c.op)) return std::make_unique<NcRmsNorm>(c, in);
+#endif
+#if NBENCH_HAVE_BN
+                   if (is_batch_norm(c.op)) return std::make_unique<NcBatchNorm>(c, in);
+#endif
+                   if (is_rms(c.op) || is_batch_norm(c.op)) return nullptr;
+                   return std::make_unique<NcLayerNorm>(c, in);
+                 }});
+  out.push_back({"reference", ref_supports,
+                 [](const Case& c, const Inputs& in) -> RunnerPtr {
+                   if (!ref_supports(c)) return nullptr;
+                   return std::make_unique<RefRunner>(c, in);
+                 }});
+  out.push_back({"eigen", [](const Case&) { return true; },
+                 [](const Case& c, const Inputs& in) -> RunnerPtr {
+                   return std::make_unique<EigenRunner>(c, in);
+                 }});
+}
+
+}  // namespace nbench
