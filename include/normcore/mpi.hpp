@@ -57,6 +57,16 @@
 // communicator, and MPI initialized with the matching thread level.
 #pragma once
 
+// Only MPI's C API is used. Without these, <mpi.h> of Open MPI 4 and MPICH
+// also declares the C++ bindings (removed from the standard in MPI 3.0),
+// which need libmpi_cxx and warn under -Wextra. A program that still uses
+// MPI:: includes <mpi.h> before this header.
+#ifndef OMPI_SKIP_MPICXX
+#define OMPI_SKIP_MPICXX 1
+#endif
+#ifndef MPICH_SKIP_MPICXX
+#define MPICH_SKIP_MPICXX 1
+#endif
 #include <mpi.h>
 
 #include <algorithm>

@@ -124,16 +124,14 @@ Welford<double> merge_equal(const T* mean, const T* m2, double k) {
 }  // namespace detail
 
 
-/// Moments of the n values x[0..n), shifted by `pivot`: the returned state's
-/// mean is mean(x) - pivot; its M2 and count are those of x. Any length,
-/// any alignment. Single pass.
-template <typename T>
-Welford<double> row_moments(const T* x, Index n, T pivot) {
+namespace detail {
+
+template <typename T, int A>
+Welford<double> row_moments_acc(const T* x, Index n, T pivot) {
   using namespace Eigen::internal;
   using S = detail::simd<T>;
   using Packet = typename S::Packet;
   constexpr int L = S::L;
-  constexpr int A = S::A;
   const auto& recip = detail::reciprocals<T>::table;
 
   Welford<double> total;
@@ -202,6 +200,23 @@ Welford<double> row_moments(const T* x, Index n, T pivot) {
     total.merge(Welford<double>(static_cast<double>(rest), m, q));
   }
   return total;
+}
+
+}  // namespace detail
+
+/// Moments of the n values x[0..n), shifted by `pivot`: the returned state's
+/// mean is mean(x) - pivot; its M2 and count are those of x. Any length,
+/// any alignment. Single pass. The number of independent accumulators
+/// follows the row length (at least four updates per accumulator), so short
+/// rows do not pay for merging lanes that saw one value each.
+template <typename T>
+Welford<double> row_moments(const T* x, Index n, T pivot) {
+  constexpr int L = detail::simd<T>::L;
+  constexpr int A = detail::simd<T>::A;
+  if (A >= 8 && n >= 8 * 4 * L) return detail::row_moments_acc<T, (A >= 8 ? 8 : 1)>(x, n, pivot);
+  if (A >= 4 && n >= 4 * 4 * L) return detail::row_moments_acc<T, (A >= 4 ? 4 : 1)>(x, n, pivot);
+  if (A >= 2 && n >= 2 * 4 * L) return detail::row_moments_acc<T, 2>(x, n, pivot);
+  return detail::row_moments_acc<T, 1>(x, n, pivot);
 }
 
 /// Moments of one contiguous row (pivot: its first element); the returned
