@@ -21,6 +21,7 @@
 
 #include "normcore/common.hpp"
 #include "normcore/detail/normalize.hpp"
+#include "normcore/parallel.hpp"
 #include "normcore/statistics.hpp"
 #include "normcore/welford.hpp"
 
@@ -158,33 +159,55 @@ class BatchNorm {
 
   template <typename X, typename Y>
   void forward(const X& x, Y&& y) {
-    forward_impl(x, y, nullptr);
+    forward_impl(Serial(), x, y, nullptr);
   }
 
   /// Also saves the per-channel mean and invstd used (batch statistics when
   /// they are used, else the running ones) for backward.
   template <typename X, typename Y>
   void forward(const X& x, Y&& y, NormStats<T>& saved) {
-    forward_impl(x, y, &saved);
+    forward_impl(Serial(), x, y, &saved);
   }
 
-  /// Any subset of dx, dweight, dbias. In training mode (or without running
-  /// statistics) the gradient flows through the batch mean and variance
-  /// (saved, or recomputed from x); in eval mode through fixed running
-  /// statistics.
+  /// The same on a device's threads (e.g. an Eigen::ThreadPoolDevice):
+  /// statistics split by channel, normalization by rows; bit-identical for
+  /// any thread count.
+  template <typename Device, typename X, typename Y, typename = std::enable_if_t<detail::is_device<Device>::value>>
+  void forward(const Device& device, const X& x, Y&& y) {
+    forward_impl(device, x, y, nullptr);
+  }
+  template <typename Device, typename X, typename Y, typename = std::enable_if_t<detail::is_device<Device>::value>>
+  void forward(const Device& device, const X& x, Y&& y, NormStats<T>& saved) {
+    forward_impl(device, x, y, &saved);
+  }
+
+  /// Any subset of dx, dweight, dbias (pointers; nullptr for the ones not
+  /// wanted). In training mode (or without running statistics) the gradient
+  /// flows through the batch mean and variance (saved, or recomputed from
+  /// x); in eval mode through fixed running statistics.
   template <typename X, typename DY, typename DX>
-  void backward(const X& x, const DY& dy, DX* dx, Eigen::Tensor<T, 1>* dweight,
+  void backward(const X& x, const DY& dy, DX dx, Eigen::Tensor<T, 1>* dweight,
                 Eigen::Tensor<T, 1>* dbias, const NormStats<T>* saved = nullptr) const {
-    detail::check_scalar<T, DX>();
-    detail::check_layouts<X, DX>();
-    if (dx) detail::check_same_shape(kWho, "dx", x, *dx);
-    backward_impl(x, dy, dx ? dx->data() : nullptr, dweight, dbias, saved);
+    backward(Serial(), x, dy, dx, dweight, dbias, saved);
   }
 
-  template <typename X, typename DY>
-  void backward(const X& x, const DY& dy, std::nullptr_t, Eigen::Tensor<T, 1>* dweight,
+  template <typename Device, typename X, typename DY, typename DX,
+            typename = std::enable_if_t<detail::is_device<Device>::value>>
+  void backward(const Device& device, const X& x, const DY& dy, DX dx, Eigen::Tensor<T, 1>* dweight,
                 Eigen::Tensor<T, 1>* dbias, const NormStats<T>* saved = nullptr) const {
-    backward_impl(x, dy, static_cast<T*>(nullptr), dweight, dbias, saved);
+    T* dxp = nullptr;
+    if constexpr (!std::is_null_pointer<DX>::value) {
+      using D = std::remove_pointer_t<DX>;
+      static_assert(std::is_pointer<DX>::value, "normcore: pass dx as a pointer (or nullptr)");
+      detail::check_scalar<T, D>();
+      detail::check_layouts<X, D>();
+      static_assert(detail::tensor_traits<D>::writable, "normcore: dx must be writable");
+      if (dx) {
+        detail::check_same_shape(kWho, "dx", x, *dx);
+        dxp = dx->data();
+      }
+    }
+    backward_impl(device, x, dy, dxp, dweight, dbias, saved);
   }
 
   template <typename X, typename DY>
@@ -234,8 +257,25 @@ class BatchNorm {
 
   bool uses_batch_stats() const { return training_ || !options_.track_running_stats(); }
 
+  // Channel ranges for threads: boundaries on packets (channels-last) so each
+  // channel's arithmetic is the same for any split.
+  template <typename Device>
+  detail::Split channel_split(const Device& device, const View& v) const {
+    constexpr int L = detail::simd<T>::L;
+    const Index align = v.inner == 1 ? L : 1;
+    const Index parts = detail::parts_for(device, v.outer * v.C * v.inner, (v.C + align - 1) / align);
+    return detail::Split{v.C, parts, align};
+  }
+  template <typename Device>
+  detail::Split segment_split(const Device& device, const View& v) const {
+    const Index segs = v.inner == 1 ? v.outer : v.outer * v.C;  // rows (NHWC) or (o, c) segments
+    const Index parts = detail::parts_for(device, v.outer * v.C * v.inner, segs);
+    return detail::Split{segs, parts, 1};
+  }
+
   // Per-channel Welford states (pivot-shifted by the channel's first value).
-  void channel_moments(const T* x, const View& v, std::vector<T>& pivot,
+  template <typename Device>
+  void channel_moments(const Device& device, const T* x, const View& v, std::vector<T>& pivot,
                        std::vector<Welford<double>>& w) const {
     const Index C = v.C;
     pivot.resize(static_cast<std::size_t>(C));
@@ -245,18 +285,22 @@ class BatchNorm {
       return;
     }
     for (Index c = 0; c < C; ++c) pivot[static_cast<std::size_t>(c)] = x[c * v.inner];
-    if (v.inner == 1) {  // channels-last: rows of C values, one lane per channel
-      lane_moments(x, C, v.outer, C, pivot.data(), w.data());
-      return;
-    }
-    for (Index o = 0; o < v.outer; ++o)
-      for (Index c = 0; c < C; ++c)
-        w[static_cast<std::size_t>(c)].merge(
-            row_moments(x + (o * C + c) * v.inner, v.inner, pivot[static_cast<std::size_t>(c)]));
+    const detail::Split split = channel_split(device, v);
+    detail::run_parts(device, split.parts, [&](Index p) {
+      const Index c0 = split.begin(p), c1 = split.begin(p + 1);
+      if (v.inner == 1) {  // channels-last: rows of C values, one lane per channel
+        lane_moments(x + c0, C, v.outer, c1 - c0, pivot.data() + c0, w.data() + c0);
+        return;
+      }
+      for (Index o = 0; o < v.outer; ++o)
+        for (Index c = c0; c < c1; ++c)
+          w[static_cast<std::size_t>(c)].merge(
+              row_moments(x + (o * C + c) * v.inner, v.inner, pivot[static_cast<std::size_t>(c)]));
+    });
   }
 
-  template <typename X, typename Y>
-  void forward_impl(const X& x, Y& y, NormStats<T>* saved) {
+  template <typename Device, typename X, typename Y>
+  void forward_impl(const Device& device, const X& x, Y& y, NormStats<T>* saved) {
     detail::check_scalar<T, X>();
     detail::check_scalar<T, Y>();
     detail::check_layouts<X, Y>();
@@ -269,7 +313,7 @@ class BatchNorm {
     if (uses_batch_stats()) {
       std::vector<T> pivot;
       std::vector<Welford<double>> w;
-      channel_moments(x.data(), v, pivot, w);
+      channel_moments(device, x.data(), v, pivot, w);
       if (reducer_) {
         // Exchange absolute means; come back to this process's pivots after.
         for (Index c = 0; c < C; ++c) {
@@ -321,12 +365,14 @@ class BatchNorm {
         saved->rstd(c) = k[static_cast<std::size_t>(c)].rstd;
       }
     }
-    normalize(x.data(), y.data(), v, k);
+    normalize(device, x.data(), y.data(), v, k);
   }
 
   // y = fma(x - pivot, rstd * gamma, beta - shift * gamma): the affine
   // transform folded into two per-channel constants.
-  void normalize(const T* x, T* y, const View& v, const std::vector<detail::NormCoeffs<T>>& k) const {
+  template <typename Device>
+  void normalize(const Device& device, const T* x, T* y, const View& v,
+                 const std::vector<detail::NormCoeffs<T>>& k) const {
     using namespace Eigen::internal;
     using Packet = typename detail::simd<T>::Packet;
     constexpr int L = detail::simd<T>::L;
@@ -340,106 +386,114 @@ class BatchNorm {
       sc[static_cast<std::size_t>(c)] = static_cast<T>(static_cast<double>(kc.rstd) * g);
       bs[static_cast<std::size_t>(c)] = static_cast<T>(b - static_cast<double>(kc.shift) * g);
     }
-    if (v.inner == 1) {
-      for (Index o = 0; o < v.outer; ++o) {
-        const T* xr = x + o * C;
-        T* yr = y + o * C;
-        Index c = 0;
-        for (; c + L <= C; c += L) {
-          const Packet d = psub(ploadu<Packet>(xr + c), ploadu<Packet>(piv.data() + c));
-          pstoreu(yr + c, pmadd(d, ploadu<Packet>(sc.data() + c), ploadu<Packet>(bs.data() + c)));
+    const detail::Split split = segment_split(device, v);
+    detail::run_parts(device, split.parts, [&](Index p) {
+      const Index s0 = split.begin(p), s1 = split.begin(p + 1);
+      if (v.inner == 1) {
+        for (Index o = s0; o < s1; ++o) {
+          const T* xr = x + o * C;
+          T* yr = y + o * C;
+          Index c = 0;
+          for (; c + L <= C; c += L) {
+            const Packet d = psub(ploadu<Packet>(xr + c), ploadu<Packet>(piv.data() + c));
+            pstoreu(yr + c, pmadd(d, ploadu<Packet>(sc.data() + c), ploadu<Packet>(bs.data() + c)));
+          }
+          for (; c < C; ++c) {
+            const std::size_t cc = static_cast<std::size_t>(c);
+            yr[c] = detail::madd(xr[c] - piv[cc], sc[cc], bs[cc]);
+          }
         }
-        for (; c < C; ++c) {
-          const std::size_t cc = static_cast<std::size_t>(c);
-          yr[c] = detail::madd(xr[c] - piv[cc], sc[cc], bs[cc]);
-        }
+        return;
       }
-      return;
-    }
-    for (Index o = 0; o < v.outer; ++o) {
-      for (Index c = 0; c < C; ++c) {
-        const std::size_t cc = static_cast<std::size_t>(c);
-        const T* xs = x + (o * C + c) * v.inner;
-        T* ys = y + (o * C + c) * v.inner;
+      for (Index sg = s0; sg < s1; ++sg) {
+        const std::size_t cc = static_cast<std::size_t>(sg % C);
+        const T* xs = x + sg * v.inner;
+        T* ys = y + sg * v.inner;
         const Packet pp = pset1<Packet>(piv[cc]), ps = pset1<Packet>(sc[cc]), pb = pset1<Packet>(bs[cc]);
         Index i = 0;
         for (; i + L <= v.inner; i += L) pstoreu(ys + i, pmadd(psub(ploadu<Packet>(xs + i), pp), ps, pb));
         for (; i < v.inner; ++i) ys[i] = detail::madd(xs[i] - piv[cc], sc[cc], bs[cc]);
       }
-    }
+    });
   }
 
   // Per channel: sg = sum dy, sgd = sum dy * d, sd = sum d with d = x - mean.
-  void channel_sums(const T* x, const T* dy, const View& v, const T* mean, double* sg, double* sgd,
-                    double* sd) const {
+  template <typename Device>
+  void channel_sums(const Device& device, const T* x, const T* dy, const View& v, const T* mean,
+                    double* sg, double* sgd, double* sd) const {
     using namespace Eigen::internal;
     using Packet = typename detail::simd<T>::Packet;
     constexpr int L = detail::simd<T>::L;
     const Index C = v.C;
     for (Index c = 0; c < C; ++c) sg[c] = sgd[c] = sd[c] = 0;
-    if (v.inner == 1) {
-      // Rows of C: per-channel sums in T over chunks of rows, added in double.
-      std::vector<T> a(static_cast<std::size_t>(3 * C));
-      for (Index o0 = 0; o0 < v.outer; o0 += detail::kChunk) {
-        const Index o1 = std::min<Index>(v.outer, o0 + detail::kChunk);
-        std::fill(a.begin(), a.end(), T(0));
-        for (Index o = o0; o < o1; ++o) {
-          const T* xr = x + o * C;
-          const T* gr = dy + o * C;
-          Index c = 0;
-          for (; c + L <= C; c += L) {
-            const Packet g = ploadu<Packet>(gr + c);
-            const Packet d = psub(ploadu<Packet>(xr + c), ploadu<Packet>(mean + c));
-            pstoreu(a.data() + c, padd(ploadu<Packet>(a.data() + c), g));
-            pstoreu(a.data() + C + c, pmadd(g, d, ploadu<Packet>(a.data() + C + c)));
-            pstoreu(a.data() + 2 * C + c, padd(ploadu<Packet>(a.data() + 2 * C + c), d));
+    const detail::Split split = channel_split(device, v);
+    detail::run_parts(device, split.parts, [&](Index p) {
+      const Index c0 = split.begin(p), c1 = split.begin(p + 1), w = c1 - c0;
+      if (v.inner == 1) {
+        // Rows of C: per-channel sums in T over chunks of rows, added in double.
+        std::vector<T> a(static_cast<std::size_t>(3 * w));
+        for (Index o0 = 0; o0 < v.outer; o0 += detail::kChunk) {
+          const Index o1 = std::min<Index>(v.outer, o0 + detail::kChunk);
+          std::fill(a.begin(), a.end(), T(0));
+          for (Index o = o0; o < o1; ++o) {
+            const T* xr = x + o * C + c0;
+            const T* gr = dy + o * C + c0;
+            const T* mr = mean + c0;
+            Index c = 0;
+            for (; c + L <= w; c += L) {
+              const Packet g = ploadu<Packet>(gr + c);
+              const Packet d = psub(ploadu<Packet>(xr + c), ploadu<Packet>(mr + c));
+              pstoreu(a.data() + c, padd(ploadu<Packet>(a.data() + c), g));
+              pstoreu(a.data() + w + c, pmadd(g, d, ploadu<Packet>(a.data() + w + c)));
+              pstoreu(a.data() + 2 * w + c, padd(ploadu<Packet>(a.data() + 2 * w + c), d));
+            }
+            for (; c < w; ++c) {
+              const T d = xr[c] - mr[c];
+              a[static_cast<std::size_t>(c)] += gr[c];
+              a[static_cast<std::size_t>(w + c)] = detail::madd(gr[c], d, a[static_cast<std::size_t>(w + c)]);
+              a[static_cast<std::size_t>(2 * w + c)] += d;
+            }
           }
-          for (; c < C; ++c) {
-            const T d = xr[c] - mean[c];
-            a[static_cast<std::size_t>(c)] += gr[c];
-            a[static_cast<std::size_t>(C + c)] = detail::madd(gr[c], d, a[static_cast<std::size_t>(C + c)]);
-            a[static_cast<std::size_t>(2 * C + c)] += d;
+          for (Index c = 0; c < w; ++c) {
+            sg[c0 + c] += static_cast<double>(a[static_cast<std::size_t>(c)]);
+            sgd[c0 + c] += static_cast<double>(a[static_cast<std::size_t>(w + c)]);
+            sd[c0 + c] += static_cast<double>(a[static_cast<std::size_t>(2 * w + c)]);
           }
         }
-        for (Index c = 0; c < C; ++c) {
-          sg[c] += static_cast<double>(a[static_cast<std::size_t>(c)]);
-          sgd[c] += static_cast<double>(a[static_cast<std::size_t>(C + c)]);
-          sd[c] += static_cast<double>(a[static_cast<std::size_t>(2 * C + c)]);
+        return;
+      }
+      for (Index o = 0; o < v.outer; ++o) {
+        for (Index c = c0; c < c1; ++c) {
+          const T* xs = x + (o * C + c) * v.inner;
+          const T* gs = dy + (o * C + c) * v.inner;
+          const Packet pm = pset1<Packet>(mean[c]);
+          Packet a0 = pset1<Packet>(T(0)), a1 = a0, a2 = a0;
+          Index i = 0;
+          for (; i + L <= v.inner; i += L) {
+            const Packet g = ploadu<Packet>(gs + i);
+            const Packet d = psub(ploadu<Packet>(xs + i), pm);
+            a0 = padd(a0, g);
+            a1 = pmadd(g, d, a1);
+            a2 = padd(a2, d);
+          }
+          double s0 = static_cast<double>(predux(a0)), s1 = static_cast<double>(predux(a1)),
+                 s2 = static_cast<double>(predux(a2));
+          for (; i < v.inner; ++i) {
+            const double d = static_cast<double>(xs[i] - mean[c]);
+            s0 += static_cast<double>(gs[i]);
+            s1 += static_cast<double>(gs[i]) * d;
+            s2 += d;
+          }
+          sg[c] += s0;
+          sgd[c] += s1;
+          sd[c] += s2;
         }
       }
-      return;
-    }
-    for (Index o = 0; o < v.outer; ++o) {
-      for (Index c = 0; c < C; ++c) {
-        const T* xs = x + (o * C + c) * v.inner;
-        const T* gs = dy + (o * C + c) * v.inner;
-        const Packet pm = pset1<Packet>(mean[c]);
-        Packet a0 = pset1<Packet>(T(0)), a1 = a0, a2 = a0;
-        Index i = 0;
-        for (; i + L <= v.inner; i += L) {
-          const Packet g = ploadu<Packet>(gs + i);
-          const Packet d = psub(ploadu<Packet>(xs + i), pm);
-          a0 = padd(a0, g);
-          a1 = pmadd(g, d, a1);
-          a2 = padd(a2, d);
-        }
-        double s0 = static_cast<double>(predux(a0)), s1 = static_cast<double>(predux(a1)),
-               s2 = static_cast<double>(predux(a2));
-        for (; i < v.inner; ++i) {
-          const double d = static_cast<double>(xs[i] - mean[c]);
-          s0 += static_cast<double>(gs[i]);
-          s1 += static_cast<double>(gs[i]) * d;
-          s2 += d;
-        }
-        sg[c] += s0;
-        sgd[c] += s1;
-        sd[c] += s2;
-      }
-    }
+    });
   }
 
-  template <typename X, typename DY>
-  void backward_impl(const X& x, const DY& dy, T* dx, Eigen::Tensor<T, 1>* dweight,
+  template <typename Device, typename X, typename DY>
+  void backward_impl(const Device& device, const X& x, const DY& dy, T* dx, Eigen::Tensor<T, 1>* dweight,
                      Eigen::Tensor<T, 1>* dbias, const NormStats<T>* saved) const {
     using namespace Eigen::internal;
     using Packet = typename detail::simd<T>::Packet;
@@ -466,7 +520,7 @@ class BatchNorm {
     } else if (batch) {
       std::vector<T> pivot;
       std::vector<Welford<double>> w;
-      channel_moments(x.data(), v, pivot, w);
+      channel_moments(device, x.data(), v, pivot, w);
       if (reducer_) {
         for (Index c = 0; c < C; ++c) {
           auto& wc = w[static_cast<std::size_t>(c)];
@@ -495,7 +549,7 @@ class BatchNorm {
     double* sg = sums.data();
     double* sgd = sg + C;
     double* sd = sgd + C;
-    if (local_count > 0) channel_sums(x.data(), dy.data(), v, mean.data(), sg, sgd, sd);
+    if (local_count > 0) channel_sums(device, x.data(), dy.data(), v, mean.data(), sg, sgd, sd);
     sums[static_cast<std::size_t>(3 * C)] = static_cast<double>(local_count);
     // Parameter gradients are local (as PyTorch's SyncBatchNorm): keep this
     // process's sums; the mean correction delta below is global.
@@ -536,26 +590,28 @@ class BatchNorm {
     if (!dx) return;
     const T* xp = x.data();
     const T* gp = dy.data();
-    if (v.inner == 1) {
-      for (Index o = 0; o < v.outer; ++o) {
-        Index c = 0;
-        for (; c + L <= C; c += L) {
-          const Packet d = psub(ploadu<Packet>(xp + o * C + c), ploadu<Packet>(piv.data() + c));
-          const Packet inner = pmadd(d, ploadu<Packet>(k3.data() + c), ploadu<Packet>(k4.data() + c));
-          pstoreu(dx + o * C + c, pmadd(ploadu<Packet>(gp + o * C + c), ploadu<Packet>(a.data() + c), pnegate(inner)));
+    const detail::Split split = segment_split(device, v);
+    detail::run_parts(device, split.parts, [&](Index p) {
+      const Index s0 = split.begin(p), s1 = split.begin(p + 1);
+      if (v.inner == 1) {
+        for (Index o = s0; o < s1; ++o) {
+          Index c = 0;
+          for (; c + L <= C; c += L) {
+            const Packet d = psub(ploadu<Packet>(xp + o * C + c), ploadu<Packet>(piv.data() + c));
+            const Packet inner = pmadd(d, ploadu<Packet>(k3.data() + c), ploadu<Packet>(k4.data() + c));
+            pstoreu(dx + o * C + c, pmadd(ploadu<Packet>(gp + o * C + c), ploadu<Packet>(a.data() + c), pnegate(inner)));
+          }
+          for (; c < C; ++c) {
+            const std::size_t cc = static_cast<std::size_t>(c);
+            const T d = xp[o * C + c] - piv[cc];
+            dx[o * C + c] = detail::madd(gp[o * C + c], a[cc], -detail::madd(d, k3[cc], k4[cc]));
+          }
         }
-        for (; c < C; ++c) {
-          const std::size_t cc = static_cast<std::size_t>(c);
-          const T d = xp[o * C + c] - piv[cc];
-          dx[o * C + c] = detail::madd(gp[o * C + c], a[cc], -detail::madd(d, k3[cc], k4[cc]));
-        }
+        return;
       }
-      return;
-    }
-    for (Index o = 0; o < v.outer; ++o) {
-      for (Index c = 0; c < C; ++c) {
-        const std::size_t cc = static_cast<std::size_t>(c);
-        const Index base = (o * C + c) * v.inner;
+      for (Index sg = s0; sg < s1; ++sg) {
+        const std::size_t cc = static_cast<std::size_t>(sg % C);
+        const Index base = sg * v.inner;
         const Packet pp = pset1<Packet>(piv[cc]), pa = pset1<Packet>(a[cc]), p3 = pset1<Packet>(k3[cc]),
                      p4 = pset1<Packet>(k4[cc]);
         Index i = 0;
@@ -568,7 +624,7 @@ class BatchNorm {
           dx[base + i] = detail::madd(gp[base + i], a[cc], -detail::madd(d, k3[cc], k4[cc]));
         }
       }
-    }
+    });
   }
 
   BatchNormOptions options_;

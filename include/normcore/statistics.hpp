@@ -26,6 +26,7 @@
 #include <cmath>
 #include <cstddef>
 #include <type_traits>
+#include <vector>
 
 #include <Eigen/Core>
 
@@ -230,9 +231,11 @@ Welford<double> row_moments(const T* x, Index n) {
 
 /// Lane-parallel column moments: for each of the `lanes` columns c,
 /// statistics of x[c + i*stride], i = 0..count. Column c is shifted by
-/// pivot[c]; out[c] receives its state in shifted coordinates. Columns are
-/// processed a packet at a time; leftover columns go through the same
-/// recurrence one at a time.
+/// pivot[c]; out[c] receives its state in shifted coordinates. One pass over
+/// memory, row by row: each packet of columns keeps its Welford state in T
+/// (kChunk rows at most, then flushed into double); leftover columns run the
+/// same recurrence one lane at a time, so a column's result does not depend
+/// on its position.
 template <typename T>
 void lane_moments(const T* x, Index stride, Index count, Index lanes, const T* pivot,
                   Welford<double>* out) {
@@ -241,73 +244,38 @@ void lane_moments(const T* x, Index stride, Index count, Index lanes, const T* p
   using Packet = typename S::Packet;
   constexpr int L = S::L;
   const auto& recip = detail::reciprocals<T>::table;
-  Index c = 0;
-  for (; c + L <= lanes; c += L) {
-    for (int l = 0; l < L; ++l) out[c + l] = Welford<double>();
-    const Packet pv = ploadu<Packet>(pivot + c);
-    // Two interleaved accumulators (even and odd i) halve the dependency chain.
-    Index i = 0;
-    while (i < count) {
-      const Index iters = std::min<Index>((count - i) / 2, detail::kChunk);
-      if (iters == 0) break;
-      Packet mean0 = pset1<Packet>(T(0)), m20 = mean0, mean1 = mean0, m21 = mean0;
-      for (Index it = 1; it <= iters; ++it, i += 2) {
-        const Packet inv = pset1<Packet>(recip[static_cast<std::size_t>(it)]);
-        const Packet d0 = psub(ploadu<Packet>(x + i * stride + c), pv);
-        const Packet d1 = psub(ploadu<Packet>(x + (i + 1) * stride + c), pv);
-        const Packet e0 = psub(d0, mean0);
-        const Packet e1 = psub(d1, mean1);
-        mean0 = pmadd(e0, inv, mean0);
-        mean1 = pmadd(e1, inv, mean1);
-        m20 = pmadd(e0, psub(d0, mean0), m20);
-        m21 = pmadd(e1, psub(d1, mean1), m21);
+  for (Index c = 0; c < lanes; ++c) out[c] = Welford<double>();
+  if (lanes <= 0 || count <= 0) return;
+  const Index vec = lanes / L * L;
+  std::vector<T> state(static_cast<std::size_t>(2 * lanes));
+  T* mean = state.data();
+  T* m2 = mean + lanes;
+  Index i = 0;
+  while (i < count) {
+    const Index iters = std::min<Index>(count - i, detail::kChunk);
+    std::fill(state.begin(), state.end(), T(0));
+    for (Index it = 1; it <= iters; ++it, ++i) {
+      const T* row = x + i * stride;
+      const T inv = recip[static_cast<std::size_t>(it)];
+      const Packet pinv = pset1<Packet>(inv);
+      for (Index c = 0; c < vec; c += L) {
+        const Packet d = psub(ploadu<Packet>(row + c), ploadu<Packet>(pivot + c));
+        Packet mu = ploadu<Packet>(mean + c);
+        const Packet delta = psub(d, mu);
+        mu = pmadd(delta, pinv, mu);
+        pstoreu(mean + c, mu);
+        pstoreu(m2 + c, pmadd(delta, psub(d, mu), ploadu<Packet>(m2 + c)));
       }
-      alignas(64) T ms[2 * L];
-      alignas(64) T qs[2 * L];
-      pstoreu(ms, mean0);
-      pstoreu(ms + L, mean1);
-      pstoreu(qs, m20);
-      pstoreu(qs + L, m21);
-      for (int l = 0; l < L; ++l) {
-        const T m[2] = {ms[l], ms[l + L]};
-        const T q[2] = {qs[l], qs[l + L]};
-        out[c + l].merge(detail::merge_equal<T, 2>(m, q, static_cast<double>(iters)));
+      for (Index c = vec; c < lanes; ++c) {
+        const T d = row[c] - pivot[c];
+        const T delta = d - mean[c];
+        mean[c] = detail::madd(delta, inv, mean[c]);
+        m2[c] = detail::madd(delta, d - mean[c], m2[c]);
       }
     }
-    for (; i < count; ++i) {  // at most one leftover row
-      for (int l = 0; l < L; ++l) {
-        const double d = static_cast<double>(x[i * stride + c + l]) - static_cast<double>(pivot[c + l]);
-        out[c + l].merge(Welford<double>(1, d, 0));
-      }
-    }
-  }
-  for (; c < lanes; ++c) {  // leftover columns: the packet recurrence, one lane
-    Welford<double> w;
-    const T p = pivot[c];
-    Index i = 0;
-    while (i < count) {
-      const Index iters = std::min<Index>((count - i) / 2, detail::kChunk);
-      if (iters == 0) break;
-      T mean0 = 0, m20 = 0, mean1 = 0, m21 = 0;
-      for (Index it = 1; it <= iters; ++it, i += 2) {
-        const T inv = recip[static_cast<std::size_t>(it)];
-        const T d0 = x[i * stride + c] - p;
-        const T d1 = x[(i + 1) * stride + c] - p;
-        const T e0 = d0 - mean0;
-        const T e1 = d1 - mean1;
-        mean0 = detail::madd(e0, inv, mean0);
-        mean1 = detail::madd(e1, inv, mean1);
-        m20 = detail::madd(e0, d0 - mean0, m20);
-        m21 = detail::madd(e1, d1 - mean1, m21);
-      }
-      const T m[2] = {mean0, mean1};
-      const T q[2] = {m20, m21};
-      w.merge(detail::merge_equal<T, 2>(m, q, static_cast<double>(iters)));
-    }
-    for (; i < count; ++i) {
-      w.merge(Welford<double>(1, static_cast<double>(x[i * stride + c]) - static_cast<double>(p), 0));
-    }
-    out[c] = w;
+    for (Index c = 0; c < lanes; ++c)
+      out[c].merge(Welford<double>(static_cast<double>(iters), static_cast<double>(mean[c]),
+                                   static_cast<double>(m2[c])));
   }
 }
 
