@@ -67,6 +67,28 @@ std::vector<float> from_tensor(const Eigen::Tensor<float, 1>& t) {
 
 // ---------------------------------------------------------------- normcore
 
+// normcore runs on a ThreadPoolDevice of the suite's thread count when that
+// is more than one (normcore::Serial, the calling thread, otherwise).
+const Eigen::ThreadPoolDevice* nc_device() {
+  static std::unique_ptr<Eigen::ThreadPool> pool;
+  static std::unique_ptr<Eigen::ThreadPoolDevice> dev;
+  if (threads() <= 1) return nullptr;
+  if (!dev || dev->numThreads() != threads()) {
+    dev.reset();
+    pool = std::make_unique<Eigen::ThreadPool>(threads());
+    dev = std::make_unique<Eigen::ThreadPoolDevice>(pool.get(), threads());
+  }
+  return dev.get();
+}
+template <typename F>
+void on_device(F&& f) {
+  if (const auto* d = nc_device()) {
+    f(*d);
+  } else {
+    f(normcore::Serial());
+  }
+}
+
 class NcLayerNorm : public Runner {
  public:
   NcLayerNorm(const Case& c, const Inputs& in)
@@ -85,11 +107,11 @@ class NcLayerNorm : public Runner {
   void run() override {
     Map<2> o(out_.data(), c_.rows(), c_.hidden());
     switch (c_.op) {
-      case Op::LN_fwd: ln_.forward(x(), o); break;
-      case Op::LN_fwd_stats: ln_.forward(x(), o, stats_); break;
+      case Op::LN_fwd: on_device([&](const auto& d) { ln_.forward(d, x(), o); }); break;
+      case Op::LN_fwd_stats: on_device([&](const auto& d) { ln_.forward(d, x(), o, stats_); }); break;
       default: {
         CMap<2> dy(in_.dy, c_.rows(), c_.hidden());
-        ln_.backward(x(), dy, &o, &dw_, &db_, &stats_);
+        on_device([&](const auto& d) { ln_.backward(d, x(), dy, &o, &dw_, &db_, &stats_); });
       }
     }
   }
@@ -130,10 +152,10 @@ class NcRmsNorm : public Runner {
   void run() override {
     Map<2> o(out_.data(), c_.rows(), c_.hidden());
     if (c_.op == Op::RMS_fwd) {
-      rn_.forward(x(), o);
+      on_device([&](const auto& d) { rn_.forward(d, x(), o); });
     } else {
       CMap<2> dy(in_.dy, c_.rows(), c_.hidden());
-      rn_.backward(x(), dy, &o, &dw_, &stats_);
+      on_device([&](const auto& d) { rn_.backward(d, x(), dy, &o, &dw_, &stats_); });
     }
   }
   void collect(Result& r) override {
@@ -178,15 +200,19 @@ class NcBatchNorm : public Runner {
   void run() override {
     switch (c_.op) {
       case Op::BN_train:
-        dispatch(in_.x, out_.data(), [&](auto x, auto y) { bn_.forward(x, y, stats_); });
+        dispatch(in_.x, out_.data(), [&](auto x, auto y) {
+          on_device([&](const auto& d) { bn_.forward(d, x, y, stats_); });
+        });
         break;
       case Op::BN_eval:
-        dispatch(in_.x, out_.data(), [&](auto x, auto y) { bn_.forward(x, y); });
+        dispatch(in_.x, out_.data(), [&](auto x, auto y) {
+          on_device([&](const auto& d) { bn_.forward(d, x, y); });
+        });
         break;
       default:
         dispatch(in_.x, out_.data(), [&](auto x, auto dx) {
           decltype(x) dy(in_.dy, x.dimensions());
-          bn_.backward(x, dy, &dx, &dw_, &db_, &stats_);
+          on_device([&](const auto& d) { bn_.backward(d, x, dy, &dx, &dw_, &db_, &stats_); });
         });
     }
   }

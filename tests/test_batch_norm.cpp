@@ -12,7 +12,7 @@ using normcore::NormStats;
 template <typename T>
 class BatchNormTest : public ::testing::Test {};
 using Types = ::testing::Types<float, double>;
-TYPED_TEST_SUITE(BatchNormTest, Types);
+TYPED_TEST_SUITE(BatchNormTest, Types, );
 
 template <typename T>
 void randomize(BatchNorm<T>& bn, unsigned seed) {

@@ -11,7 +11,7 @@ using normcore::NormStats;
 template <typename T>
 class LayerNormTest : public ::testing::Test {};
 using Types = ::testing::Types<float, double>;
-TYPED_TEST_SUITE(LayerNormTest, Types);
+TYPED_TEST_SUITE(LayerNormTest, Types, );
 
 template <typename T, int Layout>
 using Mat = Eigen::Tensor<T, 2, Layout>;

@@ -11,7 +11,7 @@ using normcore::RMSNormOptions;
 template <typename T>
 class RMSNormTest : public ::testing::Test {};
 using Types = ::testing::Types<float, double>;
-TYPED_TEST_SUITE(RMSNormTest, Types);
+TYPED_TEST_SUITE(RMSNormTest, Types, );
 
 template <typename T, int Layout>
 void check_rms(Index rows, Index n, unsigned seed, double scale) {

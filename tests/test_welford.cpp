@@ -51,7 +51,7 @@ TEST(Welford, UpdateAndMergeMatchTwoPass) {
 template <typename T>
 class MomentsTest : public ::testing::Test {};
 using MomentTypes = ::testing::Types<float, double>;
-TYPED_TEST_SUITE(MomentsTest, MomentTypes);
+TYPED_TEST_SUITE(MomentsTest, MomentTypes, );
 
 TYPED_TEST(MomentsTest, RowMomentsAnyLengthAnyAlignment) {
   using T = TypeParam;

@@ -104,7 +104,7 @@ class BatchNorm {
  public:
   using Scalar = T;
 
-  explicit BatchNorm(BatchNormOptions options) : options_(std::move(options)) {
+  explicit BatchNorm(const BatchNormOptions& options) : options_(options) {
     const Index C = options_.num_features();
     if (C <= 0) detail::fail(std::string(kWho) + ": expected num_features > 0, got " + std::to_string(C));
     if (!(options_.eps() >= 0.0) || !std::isfinite(options_.eps()))

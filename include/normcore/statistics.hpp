@@ -47,7 +47,7 @@ struct simd {
   /// Independent accumulators in the moments loop. Welford's loop-carried
   /// chain is sub + fma (about 7 cycles); with 2 FMA pipes, four 512-bit
   /// (or eight 256-bit) accumulators keep the pipes busy.
-  static constexpr int A = L >= 16 ? 4 : (L >= 8 ? 8 : 8);
+  static constexpr int A = L >= 16 ? 4 : 8;
 };
 
 /// a * b + c rounded exactly as Eigen's pmadd rounds it in this build (fused
@@ -75,8 +75,6 @@ struct reciprocals {
   }
   static constexpr std::array<T, kChunk + 1> table = make();
 };
-template <typename T>
-constexpr std::array<T, kChunk + 1> reciprocals<T>::table;
 
 /// Merges S states of equal count k (T arrays) into one double Welford
 /// state. For equal counts Chan's pairwise tree collapses to a closed form:
