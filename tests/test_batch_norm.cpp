@@ -261,3 +261,37 @@ TEST(Contrast, LayerNormIgnoresTheBatchBatchNormDoesNot) {
 }
 
 }  // namespace
+
+namespace {
+
+TEST(BatchNormExtremes, HugeFloatChannels) {
+  using nctest::randn;
+  for (double scale : {1e25, 1e30}) {
+    for (int axis : {1, -1}) {
+      const Index N = 4, C = 3, S = 33;
+      const auto xv = randn<float>(static_cast<std::size_t>(N * C * S), 8, 0.3 * scale, scale);
+      // Logical NCS data; channels-last stores it as (N, S, C).
+      std::vector<float> xs = xv;
+      if (axis == -1)
+        for (Index o = 0; o < N; ++o)
+          for (Index c = 0; c < C; ++c)
+            for (Index i = 0; i < S; ++i) xs[static_cast<std::size_t>((o * S + i) * C + c)] = xv[static_cast<std::size_t>((o * C + c) * S + i)];
+      BatchNorm<float> bn{BatchNormOptions(C).channel_axis(axis)};
+      Eigen::TensorMap<const Eigen::Tensor<float, 3, Eigen::RowMajor>> x(xs.data(), N, axis == 1 ? C : S, axis == 1 ? S : C);
+      Eigen::Tensor<float, 3, Eigen::RowMajor> y = bn(x);
+      const auto st = normcore::reference::channel_stats(xv.data(), N, C, S);
+      const auto ref = normcore::reference::batch_norm_forward(xv.data(), N, C, S, st.mean, st.var,
+                                                               (const float*)nullptr, (const float*)nullptr, 1e-5);
+      double err = 0;
+      for (Index o = 0; o < N; ++o)
+        for (Index c = 0; c < C; ++c)
+          for (Index i = 0; i < S; ++i) {
+            const float got = axis == 1 ? y(o, c, i) : y(o, i, c);
+            err = std::max(err, std::fabs(double(got) - ref[static_cast<std::size_t>((o * C + c) * S + i)]));
+          }
+      EXPECT_LE(err, nctest::tol_elem<float>(nctest::max_abs(ref) + 1, double(N * S))) << scale << " axis " << axis;
+    }
+  }
+}
+
+}  // namespace

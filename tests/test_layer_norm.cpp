@@ -395,3 +395,61 @@ TEST(LayerNormTensor, RankThreeTensorAndConstMap) {
 }
 
 }  // namespace
+
+namespace {
+
+// Rows whose squares overflow or underflow float: still the right answer
+// (forward and backward), in both layouts.
+TEST(LayerNormExtremes, HugeAndTinyFloatRows) {
+  using nctest::randn;
+  for (double scale : {1e25, 1e30, 1e-25}) {
+    for (Index n : {Index(7), Index(768)}) {
+      for (int layout = 0; layout < 2; ++layout) {
+        SCOPED_TRACE(::testing::Message() << "scale " << scale << " n " << n << " layout " << layout);
+        const Index rows = 3;
+        const double eps = scale < 1 ? 0.0 : 1e-5;
+        const auto xl = randn<float>(static_cast<std::size_t>(rows * n), 5, 0.5 * scale, scale);
+        const auto dyl = randn<float>(xl.size(), 6);
+        LayerNorm<float> ln(LayerNormOptions({n}).eps(eps));
+        const auto ref = normcore::reference::layer_norm_forward(xl.data(), rows, n, (const float*)nullptr,
+                                                                 (const float*)nullptr, eps);
+        const auto gref = normcore::reference::layer_norm_backward(xl.data(), dyl.data(), rows, n,
+                                                                   (const float*)nullptr, eps);
+        std::vector<float> y, dx;
+        if (layout == 0) {
+          Eigen::TensorMap<const Eigen::Tensor<float, 2, Eigen::RowMajor>> x(xl.data(), rows, n), dy(dyl.data(), rows, n);
+          auto g = ln.backward(x, dy);
+          Eigen::Tensor<float, 2, Eigen::RowMajor> yy = ln(x);
+          y.assign(yy.data(), yy.data() + yy.size());
+          dx.assign(g.dx.data(), g.dx.data() + g.dx.size());
+        } else {
+          const auto xc = nctest::to_colmajor(xl, rows, n), dyc = nctest::to_colmajor(dyl, rows, n);
+          Eigen::TensorMap<const Eigen::Tensor<float, 2, Eigen::ColMajor>> x(xc.data(), rows, n), dy(dyc.data(), rows, n);
+          auto g = ln.backward(x, dy);
+          Eigen::Tensor<float, 2, Eigen::ColMajor> yy = ln(x);
+          y = nctest::from_colmajor(yy.data(), rows, n);
+          dx = nctest::from_colmajor(g.dx.data(), rows, n);
+        }
+        EXPECT_LE(nctest::max_diff(y.data(), ref), nctest::tol_elem<float>(nctest::max_abs(ref) + 1, double(n)));
+        const double dxmag = nctest::max_abs(gref.dx) * 8;  // |dx| ~ rstd * |dy|: the scale of dx itself
+        EXPECT_LE(nctest::max_diff(dx.data(), gref.dx), nctest::tol_elem<float>(dxmag, double(n)));
+      }
+    }
+  }
+}
+
+TEST(LayerNormEdges, SingleElementAndEpsZero) {
+  LayerNorm<float> one(LayerNormOptions({1}));
+  one.bias().setConstant(0.5f);
+  Eigen::Tensor<float, 2, Eigen::RowMajor> x(3, 1);
+  x.setValues({{1e30f}, {-2.0f}, {0.0f}});
+  Eigen::Tensor<float, 2, Eigen::RowMajor> y = one(x);
+  for (Index r = 0; r < 3; ++r) EXPECT_EQ(y(r, 0), 0.5f);  // x_hat = 0 for a single element
+  LayerNorm<float> noeps(LayerNormOptions({4}).eps(0.0));
+  Eigen::Tensor<float, 2, Eigen::RowMajor> c(1, 4);
+  c.setConstant(3.0f);
+  Eigen::Tensor<float, 2, Eigen::RowMajor> yc = noeps(c);
+  for (Index j = 0; j < 4; ++j) EXPECT_TRUE(std::isnan(yc(0, j)));  // 0 * inf, as PyTorch
+}
+
+}  // namespace

@@ -14,6 +14,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <optional>
 #include <string>
 #include <type_traits>
@@ -297,6 +298,34 @@ class BatchNorm {
           w[static_cast<std::size_t>(c)].merge(
               row_moments(x + (o * C + c) * v.inner, v.inner, pivot[static_cast<std::size_t>(c)]));
     });
+    // Channels whose squares left T's range: exact two-pass in long double.
+    constexpr double kSafeLow = static_cast<double>(std::numeric_limits<T>::min()) *
+                                static_cast<double>(1ULL << std::numeric_limits<T>::digits);
+    const double n = static_cast<double>(v.outer * v.inner);
+    for (Index c = 0; c < C; ++c) {
+      auto& wc = w[static_cast<std::size_t>(c)];
+      const bool bad = !(std::isfinite(wc.m2()) && std::isfinite(wc.mean())) ||
+                       (wc.m2() < kSafeLow * n && options_.eps() < kSafeLow * 1e7);
+      if (!bad) continue;
+      const long double p = pivot[static_cast<std::size_t>(c)];
+      long double sum = 0;
+      bool finite = true;
+      for (Index o = 0; o < v.outer; ++o)
+        for (Index i = 0; i < v.inner; ++i) {
+          const T xv = x[(o * C + c) * v.inner + i];
+          finite = finite && std::isfinite(xv);
+          sum += static_cast<long double>(xv) - p;
+        }
+      if (!finite) continue;  // NaN or Inf in the channel: NaN is the answer
+      const long double mean = sum / static_cast<long double>(n);
+      long double m2 = 0;
+      for (Index o = 0; o < v.outer; ++o)
+        for (Index i = 0; i < v.inner; ++i) {
+          const long double d = static_cast<long double>(x[(o * C + c) * v.inner + i]) - p - mean;
+          m2 += d * d;
+        }
+      wc = Welford<double>(n, static_cast<double>(mean), static_cast<double>(m2));
+    }
   }
 
   template <typename Device, typename X, typename Y>
@@ -570,21 +599,25 @@ class BatchNorm {
     }
     // Per channel: dx = fma(dy, a, -fma(d, k3, k4)) with d = x - mean.
     std::vector<T> a(static_cast<std::size_t>(C)), k3(static_cast<std::size_t>(C)), k4(static_cast<std::size_t>(C)),
-        piv(mean);
+        xs(static_cast<std::size_t>(C)), rs(static_cast<std::size_t>(C)), piv(mean);
     for (Index c = 0; c < C; ++c) {
       const std::size_t cc = static_cast<std::size_t>(c);
       const double g = weight_.size() ? static_cast<double>(weight_(c)) : 1.0;
       const double r = static_cast<double>(rstd[cc]);
       a[cc] = static_cast<T>(g * r);
+      // dx = fma(dy, g * rstd, -fma(x_hat, k3, k4)), x_hat = fma(d, rstd, xs):
+      // no rstd^2, which would leave T's range at extreme magnitudes.
+      rs[cc] = rstd[cc];
       if (batch && count > 0) {
         const double inv_n = 1.0 / static_cast<double>(count);
         const double delta = sd[c] * inv_n;
         const double mean_g = sg[c] * inv_n;
         const double mean_gx = r * (sgd[c] - delta * sg[c]) * inv_n;
-        k3[cc] = static_cast<T>(g * r * r * mean_gx);
-        k4[cc] = static_cast<T>(g * (r * mean_g - delta * r * r * mean_gx));
+        k3[cc] = static_cast<T>(g * r * mean_gx);
+        k4[cc] = static_cast<T>(g * r * mean_g);
+        xs[cc] = static_cast<T>(-delta * r);
       } else {
-        k3[cc] = k4[cc] = T(0);
+        k3[cc] = k4[cc] = xs[cc] = T(0);
       }
     }
     if (!dx) return;
@@ -598,13 +631,14 @@ class BatchNorm {
           Index c = 0;
           for (; c + L <= C; c += L) {
             const Packet d = psub(ploadu<Packet>(xp + o * C + c), ploadu<Packet>(piv.data() + c));
-            const Packet inner = pmadd(d, ploadu<Packet>(k3.data() + c), ploadu<Packet>(k4.data() + c));
+            const Packet xh = pmadd(d, ploadu<Packet>(rs.data() + c), ploadu<Packet>(xs.data() + c));
+            const Packet inner = pmadd(xh, ploadu<Packet>(k3.data() + c), ploadu<Packet>(k4.data() + c));
             pstoreu(dx + o * C + c, pmadd(ploadu<Packet>(gp + o * C + c), ploadu<Packet>(a.data() + c), pnegate(inner)));
           }
           for (; c < C; ++c) {
             const std::size_t cc = static_cast<std::size_t>(c);
-            const T d = xp[o * C + c] - piv[cc];
-            dx[o * C + c] = detail::madd(gp[o * C + c], a[cc], -detail::madd(d, k3[cc], k4[cc]));
+            const T xh = detail::madd(xp[o * C + c] - piv[cc], rs[cc], xs[cc]);
+            dx[o * C + c] = detail::madd(gp[o * C + c], a[cc], -detail::madd(xh, k3[cc], k4[cc]));
           }
         }
         return;
@@ -613,15 +647,15 @@ class BatchNorm {
         const std::size_t cc = static_cast<std::size_t>(sg % C);
         const Index base = sg * v.inner;
         const Packet pp = pset1<Packet>(piv[cc]), pa = pset1<Packet>(a[cc]), p3 = pset1<Packet>(k3[cc]),
-                     p4 = pset1<Packet>(k4[cc]);
+                     p4 = pset1<Packet>(k4[cc]), pr = pset1<Packet>(rs[cc]), pxs = pset1<Packet>(xs[cc]);
         Index i = 0;
         for (; i + L <= v.inner; i += L) {
-          const Packet d = psub(ploadu<Packet>(xp + base + i), pp);
-          pstoreu(dx + base + i, pmadd(ploadu<Packet>(gp + base + i), pa, pnegate(pmadd(d, p3, p4))));
+          const Packet xh = pmadd(psub(ploadu<Packet>(xp + base + i), pp), pr, pxs);
+          pstoreu(dx + base + i, pmadd(ploadu<Packet>(gp + base + i), pa, pnegate(pmadd(xh, p3, p4))));
         }
         for (; i < v.inner; ++i) {
-          const T d = xp[base + i] - piv[cc];
-          dx[base + i] = detail::madd(gp[base + i], a[cc], -detail::madd(d, k3[cc], k4[cc]));
+          const T xh = detail::madd(xp[base + i] - piv[cc], rs[cc], xs[cc]);
+          dx[base + i] = detail::madd(gp[base + i], a[cc], -detail::madd(xh, k3[cc], k4[cc]));
         }
       }
     });

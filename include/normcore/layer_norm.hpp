@@ -113,17 +113,19 @@ struct BackwardCoeffs {
   T k3, k4, xs;
 };
 
+/// dx = fma(g, rstd, -fma(x_hat, k3, k4)) with x_hat = fma(d, rstd, xs):
+/// written on x_hat rather than on d so that no rstd^2 appears (it would
+/// leave T's range for rows of magnitude ~1e19 in float).
 template <typename T>
 BackwardCoeffs<T> backward_coeffs(double sg, double sgd, double sd, Index n, T rstd) {
   const double inv_n = 1.0 / static_cast<double>(n);
   const double r = static_cast<double>(rstd);
   const double delta = sd * inv_n;  // true mean - saved mean
   const double mean_g = sg * inv_n;
-  const double mean_gx = r * (sgd - delta * sg) * inv_n;
-  const double r2m = r * r * mean_gx;
+  const double mean_gx = r * (sgd - delta * sg) * inv_n;  // mean(g * x_hat)
   BackwardCoeffs<T> c;
-  c.k3 = static_cast<T>(r2m);
-  c.k4 = static_cast<T>(r * mean_g - delta * r2m);
+  c.k3 = static_cast<T>(r * mean_gx);
+  c.k4 = static_cast<T>(r * mean_g);
   c.xs = static_cast<T>(-delta * r);
   return c;
 }
@@ -282,7 +284,7 @@ class LayerNorm {
     const double eps = options_.eps();
     for (Index r = r0; r < r1; ++r) {
       const T* xr = x + r * n;
-      const Welford<double> w = row_moments(xr, n, xr[0]);
+      const Welford<double> w = checked_row_moments(xr, n, xr[0], eps);
       const auto k = detail::norm_coeffs<T>(xr[0], w.mean(), w.variance(), eps);
       if (mean) {
         mean[r] = k.mean;
@@ -301,6 +303,11 @@ class LayerNorm {
     std::vector<Welford<double>> w(static_cast<std::size_t>(m));
     // Pivot of each row: its first feature, data[r].
     lane_moments(xv.data + r0, rows, n, m, xv.data + r0, w.data());
+    for (Index i = 0; i < m; ++i) {
+      auto& wi = w[static_cast<std::size_t>(i)];
+      if (detail::needs_exact_moments(wi, xv.data + r0 + i, n, rows, options_.eps()))
+        wi = exact_moments(xv.data + r0 + i, n, rows, xv.data[r0 + i]);
+    }
     std::vector<T> coef(static_cast<std::size_t>(3 * m));
     T* piv = coef.data();
     T* rs = piv + m;
@@ -401,9 +408,11 @@ class LayerNorm {
           Welford<double> w;
           const T piv = xv.row_major ? xv.data[r * n] : xv.data[r];
           if (xv.row_major) {
-            w = row_moments(xv.data + r * n, n, piv);
+            w = checked_row_moments(xv.data + r * n, n, piv, options_.eps());
           } else {
             lane_moments(xv.data + r, rows, n, Index(1), &piv, &w);
+            if (detail::needs_exact_moments(w, xv.data + r, n, rows, options_.eps()))
+              w = exact_moments(xv.data + r, n, rows, piv);
           }
           const auto k = detail::norm_coeffs<T>(piv, w.mean(), w.variance(), options_.eps());
           sm[r] = k.mean;
@@ -520,23 +529,21 @@ class LayerNorm {
         for (; j + L <= n; j += L) {
           const Packet dyv = ploadu<Packet>(gr + j);
           const Packet d = psub(ploadu<Packet>(xr + j), pp);
+          const Packet xh = pmadd(d, pr, pxs);
           if (dx) {
             const Packet g = gamma ? pmul(dyv, ploadu<Packet>(gamma + j)) : dyv;
-            pstoreu(dx + r * n + j, pmadd(g, pr, pnegate(pmadd(d, p3, p4))));
+            pstoreu(dx + r * n + j, pmadd(g, pr, pnegate(pmadd(xh, p3, p4))));
           }
-          if (dw) {
-            const Packet xh = pmadd(d, pr, pxs);
-            pstoreu(accw.data() + j, pmadd(dyv, xh, ploadu<Packet>(accw.data() + j)));
-          }
+          if (dw) pstoreu(accw.data() + j, pmadd(dyv, xh, ploadu<Packet>(accw.data() + j)));
           if (db) pstoreu(accb.data() + j, padd(dyv, ploadu<Packet>(accb.data() + j)));
         }
         for (; j < n; ++j) {
-          const T d = xr[j] - p;
+          const T xh = detail::madd(xr[j] - p, rs, xs);
           if (dx) {
             const T g = gamma ? gr[j] * gamma[j] : gr[j];
-            dx[r * n + j] = detail::madd(g, rs, -detail::madd(d, k3, k4));
+            dx[r * n + j] = detail::madd(g, rs, -detail::madd(xh, k3, k4));
           }
-          if (dw) accw[static_cast<std::size_t>(j)] = detail::madd(gr[j], detail::madd(d, rs, xs), accw[static_cast<std::size_t>(j)]);
+          if (dw) accw[static_cast<std::size_t>(j)] = detail::madd(gr[j], xh, accw[static_cast<std::size_t>(j)]);
           if (db) accb[static_cast<std::size_t>(j)] += gr[j];
         }
       }
@@ -608,13 +615,13 @@ class LayerNorm {
                  pm = ploadu<Packet>(mask);
     for (Index j = 0; j < n; ++j) {
       const Packet dyv = ploadu<Packet>(dy + j * ld);
-      const Packet d = psub(ploadu<Packet>(x + j * ld), pp);
+      const Packet xh = pmadd(psub(ploadu<Packet>(x + j * ld), pp), pr, pxs);
       if (dx) {
         const Packet g = gamma ? pmul(dyv, pset1<Packet>(gamma[j])) : dyv;
-        pstoreu(dx + j * ld, pmadd(g, pr, pnegate(pmadd(d, p3, p4))));
+        pstoreu(dx + j * ld, pmadd(g, pr, pnegate(pmadd(xh, p3, p4))));
       }
       const Packet dym = pmul(dyv, pm);
-      if (dw) dw[j] += static_cast<double>(predux(pmul(dym, pmadd(d, pr, pxs))));
+      if (dw) dw[j] += static_cast<double>(predux(pmul(dym, xh)));
       if (db) db[j] += static_cast<double>(predux(dym));
     }
   }

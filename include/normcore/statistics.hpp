@@ -337,4 +337,48 @@ T max_abs(const T* x, Index n, Index stride = 1) {
   return m;
 }
 
+/// Moments of x[i * stride], i = 0..n, shifted by `pivot`, two-pass in long
+/// double: the slow, exact path for rows whose squares overflow or underflow
+/// T in the SIMD recurrence (float values beyond ~1e19 or a spread below
+/// ~1e-19). M2 is returned in double: exact for any float input; for double
+/// inputs beyond ~1e150 it overflows (documented limit).
+template <typename T>
+Welford<double> exact_moments(const T* x, Index n, Index stride, T pivot) {
+  if (n <= 0) return Welford<double>();
+  long double sum = 0;
+  for (Index i = 0; i < n; ++i) sum += static_cast<long double>(x[i * stride]) - pivot;
+  const long double mean = sum / static_cast<long double>(n);
+  long double m2 = 0;
+  for (Index i = 0; i < n; ++i) {
+    const long double d = static_cast<long double>(x[i * stride]) - pivot - mean;
+    m2 += d * d;
+  }
+  return Welford<double>(static_cast<double>(n), static_cast<double>(mean), static_cast<double>(m2));
+}
+
+namespace detail {
+
+/// True when a row's SIMD moments (M2 accumulated in T) cannot be trusted:
+/// M2 overflowed while the values are finite, or it is so small that its
+/// terms lost bits to underflow and eps is too small to hide that.
+template <typename T>
+bool needs_exact_moments(const Welford<double>& w, const T* x, Index n, Index stride, double eps) {
+  constexpr double kSafeLow = static_cast<double>(std::numeric_limits<T>::min()) *
+                              static_cast<double>(1ULL << std::numeric_limits<T>::digits);
+  const double m2 = w.m2();
+  if (std::isfinite(m2) && std::isfinite(w.mean())) {
+    return m2 < kSafeLow * static_cast<double>(n) && eps < kSafeLow * 1e7;
+  }
+  return std::isfinite(max_abs(x, n, stride));  // non-finite input: NaN is the answer
+}
+
+}  // namespace detail
+
+/// row_moments, with the exact path for rows whose squares leave T's range.
+template <typename T>
+Welford<double> checked_row_moments(const T* x, Index n, T pivot, double eps) {
+  const Welford<double> w = row_moments(x, n, pivot);
+  return detail::needs_exact_moments(w, x, n, 1, eps) ? exact_moments(x, n, 1, pivot) : w;
+}
+
 }  // namespace normcore
