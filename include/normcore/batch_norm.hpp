@@ -22,6 +22,7 @@
 
 #include "normcore/common.hpp"
 #include "normcore/detail/normalize.hpp"
+#include "normcore/mixed.hpp"
 #include "normcore/parallel.hpp"
 #include "normcore/statistics.hpp"
 #include "normcore/welford.hpp"
@@ -196,6 +197,25 @@ class BatchNorm {
             typename = std::enable_if_t<detail::is_device<Device>::value>>
   void backward(const Device& device, const X& x, const DY& dy, DX dx, Eigen::Tensor<T, 1>* dweight,
                 Eigen::Tensor<T, 1>* dbias, const NormStats<T>* saved = nullptr) const {
+    if constexpr (detail::is_16bit<X>()) {
+      static_assert(std::is_same<T, float>::value,
+                    "normcore: bfloat16/half tensors go through a float layer (statistics in float)");
+      const auto xf = detail::widen(x);
+      const auto dyf = detail::widen(dy);
+      if constexpr (std::is_null_pointer<DX>::value) {
+        backward(device, xf, dyf, nullptr, dweight, dbias, saved);
+      } else {
+        if (!dx) {
+          backward(device, xf, dyf, nullptr, dweight, dbias, saved);
+          return;
+        }
+        detail::check_same_shape(kWho, "dx", x, *dx);
+        auto dxf = detail::float_like(x);
+        backward(device, xf, dyf, &dxf, dweight, dbias, saved);
+        detail::narrow(dxf, *dx);
+      }
+      return;
+    } else {
     T* dxp = nullptr;
     if constexpr (!std::is_null_pointer<DX>::value) {
       using D = std::remove_pointer_t<DX>;
@@ -209,6 +229,7 @@ class BatchNorm {
       }
     }
     backward_impl(device, x, dy, dxp, dweight, dbias, saved);
+    }
   }
 
   template <typename X, typename DY>
@@ -330,6 +351,24 @@ class BatchNorm {
 
   template <typename Device, typename X, typename Y>
   void forward_impl(const Device& device, const X& x, Y& y, NormStats<T>* saved) {
+    if constexpr (detail::is_16bit<X>() || detail::is_16bit<Y>()) {
+      static_assert(std::is_same<T, float>::value,
+                    "normcore: bfloat16/half tensors go through a float layer (statistics in float)");
+      static_assert(std::is_same<typename detail::tensor_traits<X>::Scalar,
+                                 typename detail::tensor_traits<Y>::Scalar>::value,
+                    "normcore: input and output must have the same storage type");
+      detail::check_same_shape(kWho, "output", x, y);
+      const auto xf = detail::widen(x);
+      auto yf = detail::float_like(x);
+      forward_float(device, xf, yf, saved);
+      detail::narrow(yf, y);
+    } else {
+      forward_float(device, x, y, saved);
+    }
+  }
+
+  template <typename Device, typename X, typename Y>
+  void forward_float(const Device& device, const X& x, Y& y, NormStats<T>* saved) {
     detail::check_scalar<T, X>();
     detail::check_scalar<T, Y>();
     detail::check_layouts<X, Y>();

@@ -15,6 +15,7 @@
 #include "normcore/common.hpp"
 #include "normcore/detail/lanes.hpp"
 #include "normcore/detail/normalize.hpp"
+#include "normcore/mixed.hpp"
 #include "normcore/parallel.hpp"
 #include "normcore/statistics.hpp"
 
@@ -213,6 +214,25 @@ class LayerNorm {
             typename = std::enable_if_t<detail::is_device<Device>::value>>
   void backward(const Device& device, const X& x, const DY& dy, DX dx, Eigen::Tensor<T, 1>* dweight,
                 Eigen::Tensor<T, 1>* dbias, const NormStats<T>* saved = nullptr) const {
+    if constexpr (detail::is_16bit<X>()) {
+      static_assert(std::is_same<T, float>::value,
+                    "normcore: bfloat16/half tensors go through a float layer (statistics in float)");
+      const auto xf = detail::widen(x);
+      const auto dyf = detail::widen(dy);
+      if constexpr (std::is_null_pointer<DX>::value) {
+        backward(device, xf, dyf, nullptr, dweight, dbias, saved);
+      } else {
+        if (!dx) {
+          backward(device, xf, dyf, nullptr, dweight, dbias, saved);
+          return;
+        }
+        detail::check_same_shape(kWho, "dx", x, *dx);
+        auto dxf = detail::float_like(x);
+        backward(device, xf, dyf, &dxf, dweight, dbias, saved);
+        detail::narrow(dxf, *dx);
+      }
+      return;
+    } else {
     detail::Matrix2D<T> dxv;
     if constexpr (!std::is_null_pointer<DX>::value) {
       using D = std::remove_pointer_t<DX>;
@@ -226,6 +246,30 @@ class LayerNorm {
       }
     }
     backward_impl(device, x, dy, dxv.data ? &dxv : nullptr, dweight, dbias, saved);
+    }
+  }
+
+  /// Fused residual add: h = x + residual (h may be residual itself, for an
+  /// in-place update; 16-bit storage sums in float and rounds once), then
+  /// y = LayerNorm(h), optionally saving the statistics. As vLLM's
+  /// fused_add_rms_norm and ONNX Runtime's SkipLayerNormalization.
+  template <typename X, typename R, typename H, typename Y>
+  void forward_add(const X& x, const R& residual, H&& h, Y&& y, NormStats<T>* saved = nullptr) const {
+    detail::fused_add_norm(*this, kWho, options_.normalized_shape(), x, residual, h, y, saved);
+  }
+
+  /// Backward of forward_add: the gradient for both x and residual is
+  /// dx = LayerNorm'(h) dy + dh_next (dh_next: the gradient reaching h from
+  /// the rest of the residual stream; nullptr if none). dx must not be null.
+  template <typename H, typename DY, typename DH, typename DX>
+  void backward_add(const H& h, const DY& dy, const DH* dh_next, DX* dx, Eigen::Tensor<T, 1>* dweight,
+                    Eigen::Tensor<T, 1>* dbias, const NormStats<T>* saved = nullptr) const {
+    if (!dx) detail::fail(std::string(kWho) + ": backward_add needs dx");
+    backward(h, dy, dx, dweight, dbias, saved);
+    if (dh_next) {
+      detail::check_same_shape(kWho, "dh_next", h, *dh_next);
+      detail::add_into(*dx, *dh_next);
+    }
   }
 
   /// Allocating backward: every gradient the layer has.
@@ -247,6 +291,24 @@ class LayerNorm {
 
   template <typename Device, typename X, typename Y>
   void forward_impl(const Device& device, const X& x, Y& y, NormStats<T>* saved) const {
+    if constexpr (detail::is_16bit<X>() || detail::is_16bit<Y>()) {
+      static_assert(std::is_same<T, float>::value,
+                    "normcore: bfloat16/half tensors go through a float layer (statistics in float)");
+      static_assert(std::is_same<typename detail::tensor_traits<X>::Scalar,
+                                 typename detail::tensor_traits<Y>::Scalar>::value,
+                    "normcore: input and output must have the same storage type");
+      detail::check_same_shape(kWho, "output", x, y);
+      const auto xf = detail::widen(x);
+      auto yf = detail::float_like(x);
+      forward_float(device, xf, yf, saved);
+      detail::narrow(yf, y);
+    } else {
+      forward_float(device, x, y, saved);
+    }
+  }
+
+  template <typename Device, typename X, typename Y>
+  void forward_float(const Device& device, const X& x, Y& y, NormStats<T>* saved) const {
     detail::check_scalar<T, X>();
     detail::check_scalar<T, Y>();
     detail::check_layouts<X, Y>();

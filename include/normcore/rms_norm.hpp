@@ -21,6 +21,7 @@
 
 #include "normcore/common.hpp"
 #include "normcore/detail/lanes.hpp"
+#include "normcore/mixed.hpp"
 #include "normcore/layer_norm.hpp"
 #include "normcore/parallel.hpp"
 #include "normcore/statistics.hpp"
@@ -168,6 +169,25 @@ class RMSNorm {
             typename = std::enable_if_t<detail::is_device<Device>::value>>
   void backward(const Device& device, const X& x, const DY& dy, DX dx, Eigen::Tensor<T, 1>* dweight,
                 const NormStats<T>* saved = nullptr) const {
+    if constexpr (detail::is_16bit<X>()) {
+      static_assert(std::is_same<T, float>::value,
+                    "normcore: bfloat16/half tensors go through a float layer (statistics in float)");
+      const auto xf = detail::widen(x);
+      const auto dyf = detail::widen(dy);
+      if constexpr (std::is_null_pointer<DX>::value) {
+        backward(device, xf, dyf, nullptr, dweight, saved);
+      } else {
+        if (!dx) {
+          backward(device, xf, dyf, nullptr, dweight, saved);
+          return;
+        }
+        detail::check_same_shape(kWho, "dx", x, *dx);
+        auto dxf = detail::float_like(x);
+        backward(device, xf, dyf, &dxf, dweight, saved);
+        detail::narrow(dxf, *dx);
+      }
+      return;
+    } else {
     detail::Matrix2D<T> dxv;
     if constexpr (!std::is_null_pointer<DX>::value) {
       using D = std::remove_pointer_t<DX>;
@@ -181,6 +201,28 @@ class RMSNorm {
       }
     }
     backward_impl(device, x, dy, dxv.data ? &dxv : nullptr, dweight, saved);
+    }
+  }
+
+  /// Fused residual add: h = x + residual (h may be residual itself, for an
+  /// in-place update; 16-bit storage sums in float and rounds once), then
+  /// y = RMSNorm(h), optionally saving rstd. As vLLM's fused_add_rms_norm.
+  template <typename X, typename R, typename H, typename Y>
+  void forward_add(const X& x, const R& residual, H&& h, Y&& y, NormStats<T>* saved = nullptr) const {
+    detail::fused_add_norm(*this, kWho, options_.normalized_shape(), x, residual, h, y, saved);
+  }
+
+  /// Backward of forward_add: dx = RMSNorm'(h) dy + dh_next (nullptr if none),
+  /// the gradient for both x and residual. dx must not be null.
+  template <typename H, typename DY, typename DH, typename DX>
+  void backward_add(const H& h, const DY& dy, const DH* dh_next, DX* dx, Eigen::Tensor<T, 1>* dweight,
+                    const NormStats<T>* saved = nullptr) const {
+    if (!dx) detail::fail(std::string(kWho) + ": backward_add needs dx");
+    backward(h, dy, dx, dweight, saved);
+    if (dh_next) {
+      detail::check_same_shape(kWho, "dh_next", h, *dh_next);
+      detail::add_into(*dx, *dh_next);
+    }
   }
 
   /// Allocating backward: dx and (with a weight) dweight; dbias stays empty.
@@ -246,6 +288,24 @@ class RMSNorm {
 
   template <typename Device, typename X, typename Y>
   void forward_impl(const Device& device, const X& x, Y& y, NormStats<T>* saved) const {
+    if constexpr (detail::is_16bit<X>() || detail::is_16bit<Y>()) {
+      static_assert(std::is_same<T, float>::value,
+                    "normcore: bfloat16/half tensors go through a float layer (statistics in float)");
+      static_assert(std::is_same<typename detail::tensor_traits<X>::Scalar,
+                                 typename detail::tensor_traits<Y>::Scalar>::value,
+                    "normcore: input and output must have the same storage type");
+      detail::check_same_shape(kWho, "output", x, y);
+      const auto xf = detail::widen(x);
+      auto yf = detail::float_like(x);
+      forward_float(device, xf, yf, saved);
+      detail::narrow(yf, y);
+    } else {
+      forward_float(device, x, y, saved);
+    }
+  }
+
+  template <typename Device, typename X, typename Y>
+  void forward_float(const Device& device, const X& x, Y& y, NormStats<T>* saved) const {
     using namespace Eigen::internal;
     using Packet = typename detail::simd<T>::Packet;
     constexpr int L = detail::simd<T>::L;
