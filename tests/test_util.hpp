@@ -87,7 +87,7 @@ std::vector<T> from_colmajor(const T* c, Index rows, Index n) {
 
 template <typename T>
 bool bit_equal(const T* a, const T* b, std::size_t n) {
-  return std::memcmp(a, b, n * sizeof(T)) == 0;
+  return n == 0 || std::memcmp(a, b, n * sizeof(T)) == 0;  // no memcmp on null (empty) data
 }
 
 /// The row lengths that break SIMD code: around every packet and block size.
