@@ -349,6 +349,26 @@ class BatchNorm {
     }
   }
 
+  // The batch statistics of the training path: this process's channel
+  // moments, combined across processes when a reducer is set (absolute means
+  // are exchanged, then brought back to this process's pivots).
+  template <typename Device>
+  void batch_moments(const Device& device, const T* x, const View& v, std::vector<T>& pivot,
+                     std::vector<Welford<double>>& w) const {
+    channel_moments(device, x, v, pivot, w);
+    if (!reducer_) return;
+    const Index C = v.C;
+    for (Index c = 0; c < C; ++c) {
+      auto& wc = w[static_cast<std::size_t>(c)];
+      wc = Welford<double>(wc.count(), static_cast<double>(pivot[static_cast<std::size_t>(c)]) + wc.mean(), wc.m2());
+    }
+    reducer_->allreduce_moments(w.data(), C);
+    for (Index c = 0; c < C; ++c) {
+      auto& wc = w[static_cast<std::size_t>(c)];
+      wc = Welford<double>(wc.count(), wc.mean() - static_cast<double>(pivot[static_cast<std::size_t>(c)]), wc.m2());
+    }
+  }
+
   template <typename Device, typename X, typename Y>
   void forward_impl(const Device& device, const X& x, Y& y, NormStats<T>* saved) {
     if constexpr (detail::is_16bit<X>() || detail::is_16bit<Y>()) {
@@ -381,19 +401,7 @@ class BatchNorm {
     if (uses_batch_stats()) {
       std::vector<T> pivot;
       std::vector<Welford<double>> w;
-      channel_moments(device, x.data(), v, pivot, w);
-      if (reducer_) {
-        // Exchange absolute means; come back to this process's pivots after.
-        for (Index c = 0; c < C; ++c) {
-          auto& wc = w[static_cast<std::size_t>(c)];
-          wc = Welford<double>(wc.count(), static_cast<double>(pivot[static_cast<std::size_t>(c)]) + wc.mean(), wc.m2());
-        }
-        reducer_->allreduce_moments(w.data(), C);
-        for (Index c = 0; c < C; ++c) {
-          auto& wc = w[static_cast<std::size_t>(c)];
-          wc = Welford<double>(wc.count(), wc.mean() - static_cast<double>(pivot[static_cast<std::size_t>(c)]), wc.m2());
-        }
-      }
+      batch_moments(device, x.data(), v, pivot, w);
       const double count = w.empty() ? 0.0 : w[0].count();
       if (training_ && count <= 1) {
         detail::fail(std::string(kWho) + ": expected more than 1 value per channel when training, "
@@ -588,18 +596,7 @@ class BatchNorm {
     } else if (batch) {
       std::vector<T> pivot;
       std::vector<Welford<double>> w;
-      channel_moments(device, x.data(), v, pivot, w);
-      if (reducer_) {
-        for (Index c = 0; c < C; ++c) {
-          auto& wc = w[static_cast<std::size_t>(c)];
-          wc = Welford<double>(wc.count(), static_cast<double>(pivot[static_cast<std::size_t>(c)]) + wc.mean(), wc.m2());
-        }
-        reducer_->allreduce_moments(w.data(), C);
-        for (Index c = 0; c < C; ++c) {
-          auto& wc = w[static_cast<std::size_t>(c)];
-          wc = Welford<double>(wc.count(), wc.mean() - static_cast<double>(pivot[static_cast<std::size_t>(c)]), wc.m2());
-        }
-      }
+      batch_moments(device, x.data(), v, pivot, w);
       for (Index c = 0; c < C; ++c) {
         const auto& wc = w[static_cast<std::size_t>(c)];
         const auto k = detail::norm_coeffs<T>(pivot[static_cast<std::size_t>(c)], wc.mean(), wc.variance(), options_.eps());
