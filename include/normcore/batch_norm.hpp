@@ -97,14 +97,24 @@ class BatchNormReducer {
   virtual void allreduce_sums(double* values, Index n) = 0;
 };
 
-/// Batch normalization. T is float or double.
-template <typename T>
+/// Batch normalization. P, the type of weight and bias, is float or double,
+/// or Eigen::bfloat16 / Eigen::half: the 16-bit layers compute in float and
+/// keep their running statistics in float (a 16-bit running variance would
+/// lose most momentum updates to rounding). Tensors: as for LayerNorm.
+template <typename P>
 class BatchNorm {
-  static_assert(std::is_same<T, float>::value || std::is_same<T, double>::value,
-                "normcore::BatchNorm<T>: T must be float or double");
+  static_assert(std::is_same<P, float>::value || std::is_same<P, double>::value ||
+                    detail::is_storage16<P>::value,
+                "normcore::BatchNorm<P>: P must be float, double, Eigen::bfloat16 or Eigen::half");
 
  public:
-  using Scalar = T;
+  using Scalar = P;
+  using Compute = detail::compute_t<P>;
+
+ private:
+  using T = Compute;
+
+ public:
 
   explicit BatchNorm(const BatchNormOptions& options) : options_(options) {
     const Index C = options_.num_features();
@@ -116,9 +126,9 @@ class BatchNorm {
                    std::to_string(*options_.momentum()));
     if (options_.affine()) {
       weight_.resize(C);
-      weight_.setConstant(T(1));
+      weight_.setConstant(P(1));
       bias_.resize(C);
-      bias_.setZero();
+      bias_.setConstant(P(0));
     }
     if (options_.track_running_stats()) {
       running_mean_.resize(C);
@@ -134,10 +144,10 @@ class BatchNorm {
   void eval() { training_ = false; }
   bool is_training() const { return training_; }
 
-  Eigen::Tensor<T, 1>& weight() { return weight_; }
-  const Eigen::Tensor<T, 1>& weight() const { return weight_; }
-  Eigen::Tensor<T, 1>& bias() { return bias_; }
-  const Eigen::Tensor<T, 1>& bias() const { return bias_; }
+  Eigen::Tensor<P, 1>& weight() { return weight_; }
+  const Eigen::Tensor<P, 1>& weight() const { return weight_; }
+  Eigen::Tensor<P, 1>& bias() { return bias_; }
+  const Eigen::Tensor<P, 1>& bias() const { return bias_; }
   /// Running statistics; empty with track_running_stats(false).
   Eigen::Tensor<T, 1>& running_mean() { return running_mean_; }
   const Eigen::Tensor<T, 1>& running_mean() const { return running_mean_; }
@@ -188,18 +198,20 @@ class BatchNorm {
   /// flows through the batch mean and variance (saved, or recomputed from
   /// x); in eval mode through fixed running statistics.
   template <typename X, typename DY, typename DX>
-  void backward(const X& x, const DY& dy, DX dx, Eigen::Tensor<T, 1>* dweight,
-                Eigen::Tensor<T, 1>* dbias, const NormStats<T>* saved = nullptr) const {
+  void backward(const X& x, const DY& dy, DX dx, Eigen::Tensor<P, 1>* dweight,
+                Eigen::Tensor<P, 1>* dbias, const NormStats<T>* saved = nullptr) const {
     backward(Serial(), x, dy, dx, dweight, dbias, saved);
   }
 
   template <typename Device, typename X, typename DY, typename DX,
             typename = std::enable_if_t<detail::is_device<Device>::value>>
-  void backward(const Device& device, const X& x, const DY& dy, DX dx, Eigen::Tensor<T, 1>* dweight,
-                Eigen::Tensor<T, 1>* dbias, const NormStats<T>* saved = nullptr) const {
+  void backward(const Device& device, const X& x, const DY& dy, DX dx, Eigen::Tensor<P, 1>* dweight,
+                Eigen::Tensor<P, 1>* dbias, const NormStats<T>* saved = nullptr) const {
+    detail::check_storage<T, X>();
+    detail::check_same_scalar<X, DY>();
     if constexpr (detail::is_16bit<X>()) {
-      static_assert(std::is_same<T, float>::value,
-                    "normcore: bfloat16/half tensors go through a float layer (statistics in float)");
+      // Statistics span the whole batch: 16-bit tensors go through whole
+      // float copies.
       const auto xf = detail::widen(x);
       const auto dyf = detail::widen(dy);
       if constexpr (std::is_null_pointer<DX>::value) {
@@ -235,7 +247,7 @@ class BatchNorm {
   template <typename X, typename DY>
   auto backward(const X& x, const DY& dy, const NormStats<T>* saved = nullptr) const {
     using Tr = detail::tensor_traits<X>;
-    Gradients<T, Tr::rank, Tr::layout> g;
+    Gradients<P, Tr::rank, Tr::layout, typename Tr::Scalar> g;
     g.dx = detail::make_like(x);
     backward(x, dy, &g.dx, weight_.size() ? &g.dweight : nullptr,
              bias_.size() ? &g.dbias : nullptr, saved);
@@ -371,12 +383,9 @@ class BatchNorm {
 
   template <typename Device, typename X, typename Y>
   void forward_impl(const Device& device, const X& x, Y& y, NormStats<T>* saved) {
-    if constexpr (detail::is_16bit<X>() || detail::is_16bit<Y>()) {
-      static_assert(std::is_same<T, float>::value,
-                    "normcore: bfloat16/half tensors go through a float layer (statistics in float)");
-      static_assert(std::is_same<typename detail::tensor_traits<X>::Scalar,
-                                 typename detail::tensor_traits<Y>::Scalar>::value,
-                    "normcore: input and output must have the same storage type");
+    detail::check_storage<T, X>();
+    detail::check_same_scalar<X, Y>();
+    if constexpr (detail::is_16bit<X>()) {
       detail::check_same_shape(kWho, "output", x, y);
       const auto xf = detail::widen(x);
       auto yf = detail::float_like(x);
@@ -569,8 +578,8 @@ class BatchNorm {
   }
 
   template <typename Device, typename X, typename DY>
-  void backward_impl(const Device& device, const X& x, const DY& dy, T* dx, Eigen::Tensor<T, 1>* dweight,
-                     Eigen::Tensor<T, 1>* dbias, const NormStats<T>* saved) const {
+  void backward_impl(const Device& device, const X& x, const DY& dy, T* dx, Eigen::Tensor<P, 1>* dweight,
+                     Eigen::Tensor<P, 1>* dbias, const NormStats<T>* saved) const {
     using namespace Eigen::internal;
     using Packet = typename detail::simd<T>::Packet;
     constexpr int L = detail::simd<T>::L;
@@ -626,12 +635,12 @@ class BatchNorm {
       for (Index c = 0; c < C; ++c) {
         const double r = static_cast<double>(rstd[static_cast<std::size_t>(c)]);
         const double delta = batch && count > 0 ? sd[c] / count : 0.0;
-        (*dweight)(c) = static_cast<T>(r * (local[static_cast<std::size_t>(C + c)] - delta * local[static_cast<std::size_t>(c)]));
+        (*dweight)(c) = static_cast<P>(r * (local[static_cast<std::size_t>(C + c)] - delta * local[static_cast<std::size_t>(c)]));
       }
     }
     if (dbias) {
       detail::resize_vector(*dbias, C);
-      for (Index c = 0; c < C; ++c) (*dbias)(c) = static_cast<T>(local[static_cast<std::size_t>(c)]);
+      for (Index c = 0; c < C; ++c) (*dbias)(c) = static_cast<P>(local[static_cast<std::size_t>(c)]);
     }
     // Per channel: dx = fma(dy, a, -fma(d, k3, k4)) with d = x - mean.
     std::vector<T> a(static_cast<std::size_t>(C)), k3(static_cast<std::size_t>(C)), k4(static_cast<std::size_t>(C)),
@@ -699,8 +708,8 @@ class BatchNorm {
 
   BatchNormOptions options_;
   bool training_ = true;
-  Eigen::Tensor<T, 1> weight_;
-  Eigen::Tensor<T, 1> bias_;
+  Eigen::Tensor<P, 1> weight_;
+  Eigen::Tensor<P, 1> bias_;
   Eigen::Tensor<T, 1> running_mean_;
   Eigen::Tensor<T, 1> running_var_;
   std::int64_t num_batches_tracked_ = 0;

@@ -20,9 +20,11 @@ struct NormStats {
 
 /// All gradients of a layer, as returned by the allocating backward. A
 /// gradient the layer does not have (no weight, no bias) is left empty.
-template <typename T, int Rank, int Layout>
+/// T is the parameters' type, D the input's (they differ when a float layer
+/// takes 16-bit tensors, or a 16-bit layer takes float ones).
+template <typename T, int Rank, int Layout, typename D = T>
 struct Gradients {
-  Eigen::Tensor<T, Rank, Layout> dx;
+  Eigen::Tensor<D, Rank, Layout> dx;
   Eigen::Tensor<T, 1> dweight;
   Eigen::Tensor<T, 1> dbias;
 };

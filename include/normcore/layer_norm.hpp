@@ -135,25 +135,37 @@ BackwardCoeffs<T> backward_coeffs(double sg, double sgd, double sd, Index n, T r
 
 /// Layer normalization over the trailing dims given by normalized_shape:
 /// y = (x - mean) / sqrt(var + eps) * weight + bias, with the biased variance
-/// of each row. T is float or double.
-template <typename T>
+/// of each row. P, the parameters' type, is float or double, or
+/// Eigen::bfloat16 / Eigen::half (weights stored in 16 bits, arithmetic and
+/// saved statistics in float). Float and 16-bit layers take float,
+/// bfloat16 or half tensors.
+template <typename P>
 class LayerNorm {
-  static_assert(std::is_same<T, float>::value || std::is_same<T, double>::value,
-                "normcore::LayerNorm<T>: T must be float or double");
+  static_assert(std::is_same<P, float>::value || std::is_same<P, double>::value ||
+                    detail::is_storage16<P>::value,
+                "normcore::LayerNorm<P>: P must be float, double, Eigen::bfloat16 or Eigen::half");
 
  public:
-  using Scalar = T;
+  /// The parameters' type.
+  using Scalar = P;
+  /// The arithmetic type: float for the 16-bit layers, P otherwise. Saved
+  /// statistics (NormStats<Compute>) are kept in it.
+  using Compute = detail::compute_t<P>;
 
+ private:
+  using T = Compute;
+
+ public:
   explicit LayerNorm(LayerNormOptions options)
       : options_(std::move(options)),
         size_(detail::checked_normalized_size("normcore::LayerNorm", options_.normalized_shape(),
                                               options_.eps())) {
     if (options_.elementwise_affine()) {
       weight_.resize(size_);
-      weight_.setConstant(T(1));
+      weight_.setConstant(P(1));
       if (options_.bias()) {
         bias_.resize(size_);
-        bias_.setZero();
+        bias_.setConstant(P(0));
       }
     }
   }
@@ -163,13 +175,13 @@ class LayerNorm {
   Index normalized_size() const { return size_; }
   /// Weight (gamma), flattened in row-major order of normalized_shape (as
   /// PyTorch's weight.flatten()); empty without elementwise_affine.
-  Eigen::Tensor<T, 1>& weight() { return weight_; }
-  const Eigen::Tensor<T, 1>& weight() const { return weight_; }
+  Eigen::Tensor<P, 1>& weight() { return weight_; }
+  const Eigen::Tensor<P, 1>& weight() const { return weight_; }
   /// Bias (beta), flattened like weight; empty without it.
-  Eigen::Tensor<T, 1>& bias() { return bias_; }
-  const Eigen::Tensor<T, 1>& bias() const { return bias_; }
+  Eigen::Tensor<P, 1>& bias() { return bias_; }
+  const Eigen::Tensor<P, 1>& bias() const { return bias_; }
 
-  /// Allocating forward: returns a tensor with x's dims and layout.
+  /// Allocating forward: returns a tensor with x's dims, layout and scalar type.
   template <typename X>
   auto operator()(const X& x) const {
     auto y = detail::make_like(x);
@@ -204,79 +216,67 @@ class LayerNorm {
   /// saved == nullptr they are recomputed from x. dx has x's dims and layout;
   /// dweight and dbias are resized to normalized_size() if needed.
   template <typename X, typename DY, typename DX>
-  void backward(const X& x, const DY& dy, DX dx, Eigen::Tensor<T, 1>* dweight,
-                Eigen::Tensor<T, 1>* dbias, const NormStats<T>* saved = nullptr) const {
-    backward(Serial(), x, dy, dx, dweight, dbias, saved);
+  void backward(const X& x, const DY& dy, DX dx, Eigen::Tensor<P, 1>* dweight,
+                Eigen::Tensor<P, 1>* dbias, const NormStats<T>* saved = nullptr) const {
+    backward_entry(Serial(), x, dy, dx, static_cast<const X*>(nullptr), dweight, dbias, saved);
   }
 
   /// The same on a device's threads; bit-identical for any thread count.
   template <typename Device, typename X, typename DY, typename DX,
             typename = std::enable_if_t<detail::is_device<Device>::value>>
-  void backward(const Device& device, const X& x, const DY& dy, DX dx, Eigen::Tensor<T, 1>* dweight,
-                Eigen::Tensor<T, 1>* dbias, const NormStats<T>* saved = nullptr) const {
-    if constexpr (detail::is_16bit<X>()) {
-      static_assert(std::is_same<T, float>::value,
-                    "normcore: bfloat16/half tensors go through a float layer (statistics in float)");
-      const auto xf = detail::widen(x);
-      const auto dyf = detail::widen(dy);
-      if constexpr (std::is_null_pointer<DX>::value) {
-        backward(device, xf, dyf, nullptr, dweight, dbias, saved);
-      } else {
-        if (!dx) {
-          backward(device, xf, dyf, nullptr, dweight, dbias, saved);
-          return;
-        }
-        detail::check_same_shape(kWho, "dx", x, *dx);
-        auto dxf = detail::float_like(x);
-        backward(device, xf, dyf, &dxf, dweight, dbias, saved);
-        detail::narrow(dxf, *dx);
-      }
-      return;
-    } else {
-    detail::Matrix2D<T> dxv;
-    if constexpr (!std::is_null_pointer<DX>::value) {
-      using D = std::remove_pointer_t<DX>;
-      static_assert(std::is_pointer<DX>::value, "normcore: pass dx as a pointer (or nullptr)");
-      detail::check_scalar<T, D>();
-      detail::check_layouts<X, D>();
-      static_assert(detail::tensor_traits<D>::writable, "normcore: dx must be writable");
-      if (dx) {
-        detail::check_same_shape(kWho, "dx", x, *dx);
-        dxv = detail::split_view<T>(kWho, "dx", *dx, options_.normalized_shape());
-      }
-    }
-    backward_impl(device, x, dy, dxv.data ? &dxv : nullptr, dweight, dbias, saved);
-    }
+  void backward(const Device& device, const X& x, const DY& dy, DX dx, Eigen::Tensor<P, 1>* dweight,
+                Eigen::Tensor<P, 1>* dbias, const NormStats<T>* saved = nullptr) const {
+    backward_entry(device, x, dy, dx, static_cast<const X*>(nullptr), dweight, dbias, saved);
   }
 
   /// Fused residual add: h = x + residual (h may be residual itself, for an
   /// in-place update; 16-bit storage sums in float and rounds once), then
   /// y = LayerNorm(h), optionally saving the statistics. As vLLM's
-  /// fused_add_rms_norm and ONNX Runtime's SkipLayerNormalization.
+  /// fused_add_rms_norm and ONNX Runtime's SkipLayerNormalization. RowMajor
+  /// rows go in small blocks: memory sees one read of x and residual and one
+  /// write of h and y.
   template <typename X, typename R, typename H, typename Y>
   void forward_add(const X& x, const R& residual, H&& h, Y&& y, NormStats<T>* saved = nullptr) const {
-    detail::fused_add_norm(*this, kWho, options_.normalized_shape(), x, residual, h, y, saved);
+    forward_add(Serial(), x, residual, h, y, saved);
+  }
+  template <typename Device, typename X, typename R, typename H, typename Y,
+            typename = std::enable_if_t<detail::is_device<Device>::value>>
+  void forward_add(const Device& device, const X& x, const R& residual, H&& h, Y&& y,
+                   NormStats<T>* saved = nullptr) const {
+    detail::fused_add_norm(device, kWho, options_.normalized_shape(), x, residual, h, y, saved,
+                           [&](auto& hh, auto& yy, NormStats<T>* st) { forward_impl(device, hh, yy, st); },
+                           [&](const T* xb, T* yb, Index count, Index r0, NormStats<T>* st, const detail::ParamPtrs<T>& prm) {
+                             forward_rows(xb, yb, size_, count,
+                                          st ? st->mean.data() + r0 : nullptr,
+                                          st ? st->rstd.data() + r0 : nullptr, prm.gamma, prm.beta);
+                           },
+                           detail::param_ptrs<T>(weight_, bias_), true);
   }
 
   /// Backward of forward_add: the gradient for both x and residual is
   /// dx = LayerNorm'(h) dy + dh_next (dh_next: the gradient reaching h from
-  /// the rest of the residual stream; nullptr if none). dx must not be null.
+  /// the rest of the residual stream; nullptr if none), in one pass over
+  /// RowMajor rows. dx must not be null.
   template <typename H, typename DY, typename DH, typename DX>
-  void backward_add(const H& h, const DY& dy, const DH* dh_next, DX* dx, Eigen::Tensor<T, 1>* dweight,
-                    Eigen::Tensor<T, 1>* dbias, const NormStats<T>* saved = nullptr) const {
-    if (!dx) detail::fail(std::string(kWho) + ": backward_add needs dx");
-    backward(h, dy, dx, dweight, dbias, saved);
-    if (dh_next) {
-      detail::check_same_shape(kWho, "dh_next", h, *dh_next);
-      detail::add_into(*dx, *dh_next);
-    }
+  void backward_add(const H& h, const DY& dy, const DH* dh_next, DX* dx, Eigen::Tensor<P, 1>* dweight,
+                    Eigen::Tensor<P, 1>* dbias, const NormStats<T>* saved = nullptr) const {
+    backward_add(Serial(), h, dy, dh_next, dx, dweight, dbias, saved);
+  }
+  template <typename Device, typename H, typename DY, typename DH, typename DX,
+            typename = std::enable_if_t<detail::is_device<Device>::value>>
+  void backward_add(const Device& device, const H& h, const DY& dy, const DH* dh_next, DX* dx,
+                    Eigen::Tensor<P, 1>* dweight, Eigen::Tensor<P, 1>* dbias,
+                    const NormStats<T>* saved = nullptr) const {
+    if (!dx) detail::fail(std::string(kWho) + ": backward_add needs dx, got nullptr");
+    backward_entry(device, h, dy, dx, dh_next, dweight, dbias, saved);
   }
 
-  /// Allocating backward: every gradient the layer has.
+  /// Allocating backward: every gradient the layer has (dx in x's scalar
+  /// type, dweight and dbias in P).
   template <typename X, typename DY>
   auto backward(const X& x, const DY& dy, const NormStats<T>* saved = nullptr) const {
     using Tr = detail::tensor_traits<X>;
-    Gradients<T, Tr::rank, Tr::layout> g;
+    Gradients<P, Tr::rank, Tr::layout, typename Tr::Scalar> g;
     g.dx = detail::make_like(x);
     backward(x, dy, &g.dx, weight_.size() ? &g.dweight : nullptr,
              bias_.size() ? &g.dbias : nullptr, saved);
@@ -286,36 +286,25 @@ class LayerNorm {
  private:
   static constexpr const char* kWho = "normcore::LayerNorm";
 
-  const T* gamma() const { return weight_.size() ? weight_.data() : nullptr; }
-  const T* beta() const { return bias_.size() ? bias_.data() : nullptr; }
-
   template <typename Device, typename X, typename Y>
   void forward_impl(const Device& device, const X& x, Y& y, NormStats<T>* saved) const {
-    if constexpr (detail::is_16bit<X>() || detail::is_16bit<Y>()) {
-      static_assert(std::is_same<T, float>::value,
-                    "normcore: bfloat16/half tensors go through a float layer (statistics in float)");
-      static_assert(std::is_same<typename detail::tensor_traits<X>::Scalar,
-                                 typename detail::tensor_traits<Y>::Scalar>::value,
-                    "normcore: input and output must have the same storage type");
-      detail::check_same_shape(kWho, "output", x, y);
-      const auto xf = detail::widen(x);
-      auto yf = detail::float_like(x);
-      forward_float(device, xf, yf, saved);
-      detail::narrow(yf, y);
-    } else {
-      forward_float(device, x, y, saved);
-    }
-  }
-
-  template <typename Device, typename X, typename Y>
-  void forward_float(const Device& device, const X& x, Y& y, NormStats<T>* saved) const {
-    detail::check_scalar<T, X>();
-    detail::check_scalar<T, Y>();
+    using S = typename detail::tensor_traits<X>::Scalar;
+    detail::check_storage<T, X>();
+    detail::check_same_scalar<X, Y>();
     detail::check_layouts<X, Y>();
     static_assert(detail::tensor_traits<Y>::writable, "normcore: the output must be writable");
-    const auto xv = detail::split_view<T>(kWho, "input", x, options_.normalized_shape());
+    const auto xv = detail::split_view<S>(kWho, "input", x, options_.normalized_shape());
     detail::check_same_shape(kWho, "output", x, y);
-    T* out = y.data();
+    if constexpr (!std::is_same<S, T>::value) {
+      if (!xv.row_major) {  // ColMajor 16-bit: through a whole float copy
+        const auto xf = detail::widen(x);
+        auto yf = detail::float_like(x);
+        forward_impl(device, xf, yf, saved);
+        detail::narrow(yf, y);
+        return;
+      }
+    }
+    S* out = y.data();
     T* mean = nullptr;
     T* rstd = nullptr;
     if (saved) {
@@ -325,6 +314,7 @@ class LayerNorm {
       rstd = saved->rstd.data();
     }
     if (xv.rows == 0) return;
+    const auto prm = detail::param_ptrs<T>(weight_, bias_);
     constexpr int L = detail::simd<T>::L;
     const Index n = xv.cols, rows = xv.rows;
     const Index align = xv.row_major ? 1 : L;
@@ -332,28 +322,88 @@ class LayerNorm {
     const detail::Split split{rows, parts, align};
     if (xv.row_major) {
       detail::run_parts(device, parts, [&](Index p) {
-        forward_rows(xv.data, out, n, split.begin(p), split.begin(p + 1), mean, rstd);
+        const Index b = split.begin(p), e = split.begin(p + 1);
+        if constexpr (std::is_same<S, T>::value) {
+          forward_rows(xv.data + b * n, out + b * n, n, e - b, mean ? mean + b : nullptr,
+                       rstd ? rstd + b : nullptr, prm.gamma, prm.beta);
+        } else {
+          // 16-bit rows: widened a block at a time, normalized in float,
+          // rounded once on the way out.
+          const Index blk = detail::stage_rows(n);
+          std::vector<T> buf(static_cast<std::size_t>(2 * blk * n));
+          for (Index r0 = b; r0 < e; r0 += blk) {
+            const Index m = std::min(blk, e - r0);
+            detail::convert_n(xv.data + r0 * n, buf.data(), m * n);
+            forward_rows(buf.data(), buf.data() + blk * n, n, m, mean ? mean + r0 : nullptr,
+                         rstd ? rstd + r0 : nullptr, prm.gamma, prm.beta);
+            detail::convert_n(buf.data() + blk * n, out + r0 * n, m * n);
+          }
+        }
       });
-    } else {
-      const auto pv = detail::param_view(true, options_.normalized_shape(), gamma(), beta(), n);
+    } else if constexpr (std::is_same<S, T>::value) {
+      const auto pv = detail::param_view(true, options_.normalized_shape(), prm.gamma, prm.beta, n);
       detail::run_parts(device, parts, [&](Index p) {
         forward_colmajor(xv, out, mean, rstd, split.begin(p), split.begin(p + 1), pv.gamma, pv.beta);
       });
     }
   }
 
-  void forward_rows(const T* x, T* out, Index n, Index r0, Index r1, T* mean, T* rstd) const {
+  // `count` rows of n contiguous values; mean/rstd (optional) per row.
+  void forward_rows(const T* x, T* out, Index n, Index count, T* mean, T* rstd, const T* g,
+                    const T* b) const {
     const double eps = options_.eps();
-    for (Index r = r0; r < r1; ++r) {
+    for (Index r = 0; r < count; ++r) {
       const T* xr = x + r * n;
       const Welford<double> w = checked_row_moments(xr, n, xr[0], eps);
       const auto k = detail::norm_coeffs<T>(xr[0], w.mean(), w.variance(), eps);
-      if (mean) {
-        mean[r] = k.mean;
-        rstd[r] = k.rstd;
-      }
-      detail::normalize_span(xr, out + r * n, n, k, gamma(), beta());
+      if (mean) mean[r] = k.mean;
+      if (rstd) rstd[r] = k.rstd;
+      detail::normalize_span(xr, out + r * n, n, k, g, b);
     }
+  }
+
+  // Checks the backward's arguments and takes views; 16-bit ColMajor data
+  // go through whole float copies.
+  template <typename Device, typename X, typename DY, typename DX, typename DH>
+  void backward_entry(const Device& device, const X& x, const DY& dy, DX dx, const DH* dh,
+                      Eigen::Tensor<P, 1>* dweight, Eigen::Tensor<P, 1>* dbias,
+                      const NormStats<T>* saved) const {
+    using S = typename detail::tensor_traits<X>::Scalar;
+    detail::check_storage<T, X>();
+    detail::check_same_scalar<X, DY>();
+    detail::check_layouts<X, DY>();
+    detail::check_same_scalar<X, DH>();
+    detail::check_layouts<X, DH>();
+    const auto xv = detail::split_view<S>(kWho, "input", x, options_.normalized_shape());
+    detail::check_same_shape(kWho, "dy", x, dy);
+    if (dh) detail::check_same_shape(kWho, "dh_next", x, *dh);
+    S* dxp = nullptr;
+    if constexpr (!std::is_null_pointer<DX>::value) {
+      using D = std::remove_pointer_t<DX>;
+      static_assert(std::is_pointer<DX>::value, "normcore: pass dx as a pointer (or nullptr)");
+      detail::check_same_scalar<X, D>();
+      detail::check_layouts<X, D>();
+      static_assert(detail::tensor_traits<D>::writable, "normcore: dx must be writable");
+      if (dx) {
+        detail::check_same_shape(kWho, "dx", x, *dx);
+        dxp = dx->data();
+      }
+    }
+    if constexpr (!std::is_same<S, T>::value) {
+      if (!xv.row_major) {
+        const auto xf = detail::widen(x);
+        const auto dyf = detail::widen(dy);
+        auto dxf = detail::float_like(x);
+        decltype(detail::widen(x)) dhf;
+        if (dh) dhf = detail::widen(*dh);
+        const auto fv = detail::split_view<T>(kWho, "input", xf, options_.normalized_shape());
+        backward_impl(device, fv, dyf.data(), dxp ? dxf.data() : nullptr, dh ? dhf.data() : nullptr,
+                      dweight, dbias, saved);
+        if (dxp) detail::narrow(dxf, *dx);
+        return;
+      }
+    }
+    backward_impl(device, xv, dy.data(), dxp, dh ? dh->data() : nullptr, dweight, dbias, saved);
   }
 
   // ColMajor: element (r, j) at data[j * rows + r]; rows are SIMD lanes.
@@ -422,15 +472,10 @@ class LayerNorm {
     }
   }
 
-  template <typename Device, typename X, typename DY>
-  void backward_impl(const Device& device, const X& x, const DY& dy, const detail::Matrix2D<T>* dxv,
-                     Eigen::Tensor<T, 1>* dweight, Eigen::Tensor<T, 1>* dbias,
+  template <typename Device, typename S>
+  void backward_impl(const Device& device, const detail::Matrix2D<S>& xv, const S* dyp, S* dxp,
+                     const S* dhp, Eigen::Tensor<P, 1>* dweight, Eigen::Tensor<P, 1>* dbias,
                      const NormStats<T>* saved) const {
-    detail::check_scalar<T, X>();
-    detail::check_scalar<T, DY>();
-    detail::check_layouts<X, DY>();
-    const auto xv = detail::split_view<T>(kWho, "input", x, options_.normalized_shape());
-    detail::check_same_shape(kWho, "dy", x, dy);
     if (dweight && !weight_.size()) {
       detail::fail(std::string(kWho) + ": dweight requested but the layer has no weight "
                                        "(elementwise_affine is false)");
@@ -443,6 +488,7 @@ class LayerNorm {
       detail::check_stats(kWho, saved->rstd, "rstd", xv.rows);
     }
     constexpr int L = detail::simd<T>::L;
+    constexpr bool wide = !std::is_same<S, T>::value;  // 16-bit RowMajor rows
     const Index n = xv.cols, rows = xv.rows;
     // Fixed groups of rows (boundaries on kRowBlock, or on packets for
     // ColMajor), at most kGroups: parameter gradients are summed per group
@@ -466,12 +512,19 @@ class LayerNorm {
       T* sr = stat.data() + rows;
       detail::run_parts(device, parts, [&](Index p) {
         const Index r0 = gsplit.begin(psplit.begin(p)), r1 = gsplit.begin(psplit.begin(p + 1));
+        std::vector<T> row(wide ? static_cast<std::size_t>(n) : 0);
         for (Index r = r0; r < r1; ++r) {
           Welford<double> w;
-          const T piv = xv.row_major ? xv.data[r * n] : xv.data[r];
-          if (xv.row_major) {
+          T piv;
+          if constexpr (wide) {
+            detail::convert_n(xv.data + r * n, row.data(), n);
+            piv = row[0];
+            w = checked_row_moments(row.data(), n, piv, options_.eps());
+          } else if (xv.row_major) {
+            piv = xv.data[r * n];
             w = checked_row_moments(xv.data + r * n, n, piv, options_.eps());
           } else {
+            piv = xv.data[r];
             lane_moments(xv.data + r, rows, n, Index(1), &piv, &w);
             if (detail::needs_exact_moments(w, xv.data + r, n, rows, options_.eps()))
               w = exact_moments(xv.data + r, n, rows, piv);
@@ -486,20 +539,41 @@ class LayerNorm {
     }
     const std::size_t gn = static_cast<std::size_t>(groups * n);
     std::vector<double> dw_part(dweight ? gn : 0, 0.0), db_part(dbias ? gn : 0, 0.0);
-    const auto pv = detail::param_view(!xv.row_major, options_.normalized_shape(), gamma(),
+    const auto prm = detail::param_ptrs<T>(weight_, Eigen::Tensor<P, 1>());
+    const auto pv = detail::param_view(!xv.row_major, options_.normalized_shape(), prm.gamma,
                                        static_cast<const T*>(nullptr), n);
-    const T* dyp = dy.data();
-    T* dxp = dxv ? dxv->data : nullptr;
     detail::run_parts(device, parts, [&](Index p) {
+      // 16-bit rows: sub-blocks widened into float buffers (whole kRowBlock
+      // blocks when they are small, so the sums match the float path).
+      const Index sb = wide ? (kRowBlock * n <= 4 * detail::kStageValues ? kRowBlock : detail::stage_rows(n)) : 0;
+      std::vector<T> buf(static_cast<std::size_t>(4 * sb * n));
       for (Index gi = psplit.begin(p); gi < psplit.begin(p + 1); ++gi) {
         const Index r0 = gsplit.begin(gi), r1 = gsplit.begin(gi + 1);
         double* dw = dweight ? dw_part.data() + gi * n : nullptr;
         double* db = dbias ? db_part.data() + gi * n : nullptr;
-        if (xv.row_major) {
+        if constexpr (wide) {
+          T* bx = buf.data();
+          T* bdy = bx + sb * n;
+          T* bdx = bdy + sb * n;
+          T* bdh = bdx + sb * n;
+          for (Index b0 = r0; b0 < r1; b0 += sb) {
+            const Index m = std::min(sb, r1 - b0);
+            detail::convert_n(xv.data + b0 * n, bx, m * n);
+            detail::convert_n(dyp + b0 * n, bdy, m * n);
+            if (dhp) detail::convert_n(dhp + b0 * n, bdh, m * n);
+            backward_rows(bx, bdy, dxp ? bdx : nullptr, m, n, mean + b0, rstd + b0, pv.gamma, dw, db,
+                          dhp ? bdh : nullptr);
+            if (dxp) detail::convert_n(bdx, dxp + b0 * n, m * n);
+          }
+        } else if (xv.row_major) {
           backward_rows(xv.data + r0 * n, dyp + r0 * n, dxp ? dxp + r0 * n : nullptr, r1 - r0, n,
-                        mean + r0, rstd + r0, pv.gamma, dw, db);
+                        mean + r0, rstd + r0, pv.gamma, dw, db, dhp ? dhp + r0 * n : nullptr);
         } else {
           backward_colmajor(xv.data, dyp, dxp, rows, r0, r1, n, mean, rstd, pv.gamma, dw, db);
+          if (dxp && dhp) {  // the residual gradient, added in a second pass
+            for (Index j = 0; j < n; ++j)
+              for (Index r = r0; r < r1; ++r) dxp[j * rows + r] += dhp[j * rows + r];
+          }
         }
       }
     });
@@ -507,13 +581,13 @@ class LayerNorm {
     std::vector<Index> perm;
     const bool permute = !xv.row_major && options_.normalized_shape().size() > 1;
     if (permute) perm = detail::colmajor_to_rowmajor(options_.normalized_shape());
-    auto emit = [&](Eigen::Tensor<T, 1>* out, const std::vector<double>& part) {
+    auto emit = [&](Eigen::Tensor<P, 1>* out, const std::vector<double>& part) {
       if (!out) return;
       detail::resize_vector(*out, n);
       for (Index c = 0; c < n; ++c) {
         double t = 0;
         for (Index gi = 0; gi < groups; ++gi) t += part[static_cast<std::size_t>(gi * n + c)];
-        (*out)(permute ? perm[static_cast<std::size_t>(c)] : c) = static_cast<T>(t);
+        (*out)(permute ? perm[static_cast<std::size_t>(c)] : c) = static_cast<P>(t);
       }
     };
     emit(dweight, dw_part);
@@ -533,7 +607,7 @@ class LayerNorm {
   static constexpr Index kRowBlock = 64;
 
   static void backward_rows(const T* x, const T* dy, T* dx, Index rows, Index n, const T* mean,
-                            const T* rstd, const T* gamma, double* dw, double* db) {
+                            const T* rstd, const T* gamma, double* dw, double* db, const T* dh) {
     using namespace Eigen::internal;
     using Packet = typename detail::simd<T>::Packet;
     constexpr int L = detail::simd<T>::L;
@@ -594,7 +668,9 @@ class LayerNorm {
           const Packet xh = pmadd(d, pr, pxs);
           if (dx) {
             const Packet g = gamma ? pmul(dyv, ploadu<Packet>(gamma + j)) : dyv;
-            pstoreu(dx + r * n + j, pmadd(g, pr, pnegate(pmadd(xh, p3, p4))));
+            Packet v = pmadd(g, pr, pnegate(pmadd(xh, p3, p4)));
+            if (dh) v = padd(v, ploadu<Packet>(dh + r * n + j));
+            pstoreu(dx + r * n + j, v);
           }
           if (dw) pstoreu(accw.data() + j, pmadd(dyv, xh, ploadu<Packet>(accw.data() + j)));
           if (db) pstoreu(accb.data() + j, padd(dyv, ploadu<Packet>(accb.data() + j)));
@@ -603,7 +679,8 @@ class LayerNorm {
           const T xh = detail::madd(xr[j] - p, rs, xs);
           if (dx) {
             const T g = gamma ? gr[j] * gamma[j] : gr[j];
-            dx[r * n + j] = detail::madd(g, rs, -detail::madd(xh, k3, k4));
+            const T v = detail::madd(g, rs, -detail::madd(xh, k3, k4));
+            dx[r * n + j] = dh ? v + dh[r * n + j] : v;
           }
           if (dw) accw[static_cast<std::size_t>(j)] = detail::madd(gr[j], xh, accw[static_cast<std::size_t>(j)]);
           if (db) accb[static_cast<std::size_t>(j)] += gr[j];

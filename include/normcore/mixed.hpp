@@ -1,14 +1,15 @@
-// normcore: 16-bit storage (Eigen::bfloat16, Eigen::half) for the float layers.
+// normcore: 16-bit storage (Eigen::bfloat16, Eigen::half).
 //
-// A float layer (LayerNorm<float>, RMSNorm<float>, BatchNorm<float>) accepts
-// tensors of Eigen::bfloat16 or Eigen::half for its inputs and outputs. The
-// values are widened to float before any statistic is taken (nothing is ever
-// accumulated in 16 bits), the float kernels run, and each output is rounded
-// once to the storage type. Weights and saved statistics stay in float.
-//
-// This first implementation widens whole tensors into float temporaries: it
-// allocates rows x n floats per input and output and makes one extra pass
-// over each; a row-wise fused widening is future work.
+// Two ways in, both computing in float (nothing is ever accumulated in 16
+// bits) and rounding each output once:
+//   - a float layer (LayerNorm<float>, ...) accepts bfloat16 or half tensors
+//     for its inputs and outputs: float weights, 16-bit activations;
+//   - a 16-bit layer (LayerNorm<Eigen::bfloat16>, ...) stores its weights in
+//     the storage type as well (as PyTorch's module.to(torch.bfloat16)); it
+//     computes in float and saves its statistics in float.
+// RowMajor rows are widened a block at a time into small float buffers with
+// Eigen's packet casts (F16C, AVX512-BF16 or NEON where Eigen has them), so
+// memory sees one read of each input and one write of each output.
 #pragma once
 
 #include <algorithm>
@@ -19,6 +20,7 @@
 
 #include "normcore/common.hpp"
 #include "normcore/detail/tensor.hpp"
+#include "normcore/parallel.hpp"
 
 namespace normcore {
 namespace detail {
@@ -33,22 +35,129 @@ constexpr bool is_16bit() {
   return is_storage16<typename tensor_traits<X>::Scalar>::value;
 }
 
-/// A float copy of a 16-bit tensor, same dims and layout.
+/// The arithmetic type of a layer whose parameters are stored as P: float
+/// for the 16-bit types, P itself otherwise.
+template <typename P>
+using compute_t = std::conditional_t<is_storage16<P>::value, float, P>;
+
+template <typename P>
+constexpr void check_param_type() {
+  static_assert(std::is_same<P, float>::value || std::is_same<P, double>::value ||
+                    is_storage16<P>::value,
+                "normcore: a layer's type must be float, double, Eigen::bfloat16 or Eigen::half");
+}
+
+/// Copies n values from S to D (a no-op conversion when S is D). 16-bit to
+/// float and back go through Eigen's packet casts when this build has a
+/// 16-bit packet as wide as the float one; the scalar conversions round the
+/// same way (to nearest even), so the tail matches the body.
+template <typename S, typename D>
+void convert_n(const S* src, D* dst, Index n) {
+  using namespace Eigen::internal;
+  if constexpr (std::is_same<S, D>::value) {
+    std::copy(src, src + n, dst);
+  } else {
+    Index i = 0;
+    if constexpr (std::is_same<D, float>::value && is_storage16<S>::value) {
+      using PF = typename simd<float>::Packet;
+      using PS = typename packet_traits<S>::type;
+      constexpr int L = simd<float>::L;
+      if constexpr (L > 1 && unpacket_traits<PS>::size == L) {
+        for (; i + L <= n; i += L) pstoreu(dst + i, pcast<PS, PF>(ploadu<PS>(src + i)));
+      }
+    } else if constexpr (std::is_same<S, float>::value && is_storage16<D>::value) {
+      using PF = typename simd<float>::Packet;
+      using PD = typename packet_traits<D>::type;
+      constexpr int L = simd<float>::L;
+      if constexpr (L > 1 && unpacket_traits<PD>::size == L) {
+        for (; i + L <= n; i += L) pstoreu(dst + i, pcast<PF, PD>(ploadu<PF>(src + i)));
+      }
+    }
+    for (; i < n; ++i) dst[i] = static_cast<D>(static_cast<float>(src[i]));
+  }
+}
+
+/// Rows per staging block for rows of n values: about kStageValues floats
+/// per buffer, so that a block's buffers stay in L1/L2 between the passes.
+constexpr Index kStageValues = 4096;
+inline Index stage_rows(Index n) { return std::max<Index>(1, kStageValues / std::max<Index>(n, 1)); }
+
+/// A layer's weight and bias as its arithmetic type T needs them: the
+/// parameters themselves when they are stored as T, float copies otherwise.
+template <typename T>
+struct ParamPtrs {
+  const T* gamma = nullptr;
+  const T* beta = nullptr;
+  std::vector<T> storage;
+};
+
+template <typename T, typename P>
+ParamPtrs<T> param_ptrs(const Eigen::Tensor<P, 1>& w, const Eigen::Tensor<P, 1>& b) {
+  ParamPtrs<T> p;
+  if constexpr (std::is_same<T, P>::value) {
+    p.gamma = w.size() ? w.data() : nullptr;
+    p.beta = b.size() ? b.data() : nullptr;
+  } else {
+    p.storage.resize(static_cast<std::size_t>(w.size() + b.size()));
+    convert_n(w.data(), p.storage.data(), w.size());
+    convert_n(b.data(), p.storage.data() + w.size(), b.size());
+    p.gamma = w.size() ? p.storage.data() : nullptr;
+    p.beta = b.size() ? p.storage.data() + w.size() : nullptr;
+  }
+  return p;
+}
+
+/// Checks at compile time that X's scalar type is T (the layer's arithmetic
+/// type), or a 16-bit storage type when T is float.
+template <typename T, typename X>
+constexpr void check_storage() {
+  using S = typename tensor_traits<X>::Scalar;
+  static_assert(std::is_same<S, T>::value || (std::is_same<T, float>::value && is_storage16<S>::value),
+                "normcore: the tensor's scalar type must be the layer's arithmetic type "
+                "(float for 16-bit layers), or Eigen::bfloat16 / Eigen::half with a float or 16-bit layer");
+}
+
+template <typename X, typename Y>
+constexpr void check_same_scalar() {
+  static_assert(std::is_same<typename tensor_traits<X>::Scalar, typename tensor_traits<Y>::Scalar>::value,
+                "normcore: these tensors must have the same scalar type (input, output and gradients)");
+}
+
+/// A float copy of a 16-bit tensor, same dims and layout (the ColMajor and
+/// BatchNorm paths).
 template <typename X>
 auto widen(const X& x) {
   using Tr = tensor_traits<X>;
   Eigen::Tensor<float, Tr::rank, Tr::layout> f(x.dimensions());
-  const auto* p = x.data();
-  for (Index i = 0; i < f.size(); ++i) f.data()[i] = static_cast<float>(p[i]);
+  convert_n(x.data(), f.data(), f.size());
   return f;
 }
 
 /// Rounds a float tensor once into a 16-bit tensor or map of the same size.
 template <typename F, typename Y>
 void narrow(const F& f, Y& y) {
-  using S = typename tensor_traits<Y>::Scalar;
-  auto* p = y.data();
-  for (Index i = 0; i < f.size(); ++i) p[i] = static_cast<S>(f.data()[i]);
+  convert_n(f.data(), y.data(), f.size());
+}
+
+/// h = x + residual, summed in float and rounded once to S, for n values;
+/// with hf, also the stored (rounded) h widened back to float.
+template <typename S>
+void add_rows(const S* x, const S* r, S* h, float* hf, Index n) {
+  if constexpr (!is_storage16<S>::value) {
+    for (Index i = 0; i < n; ++i) h[i] = x[i] + r[i];
+    if (hf && hf != h) std::copy(h, h + n, hf);
+  } else {
+    constexpr Index kB = 256;
+    float a[kB], b[kB];
+    for (Index i = 0; i < n; i += kB) {
+      const Index m = std::min(kB, n - i);
+      convert_n(x + i, a, m);
+      convert_n(r + i, b, m);
+      for (Index j = 0; j < m; ++j) a[j] += b[j];
+      convert_n(a, h + i, m);
+      if (hf) convert_n(h + i, hf + i, m);
+    }
+  }
 }
 
 template <typename X>
@@ -63,23 +172,30 @@ auto float_like(const X& x) {
 namespace normcore {
 namespace detail {
 
-/// Fused residual add and norm: h = x + residual (summed in float, rounded
-/// once to the storage type; h may alias residual for an in-place update),
-/// then y = norm(h) through forward(h_block, y_block, stats). With a single
-/// normalized dim and RowMajor data, rows go in blocks of about 32 KiB so the
-/// norm reads h back from cache: memory sees one read of x and residual and
-/// one write of h and y.
-template <typename Layer, typename X, typename R, typename H, typename Y, typename Stats>
-void fused_add_norm(const Layer& layer, const char* who, const std::vector<Index>& shape, const X& x,
-                    const R& residual, H& h, Y& y, Stats* saved) {
+/// Fused residual add and norm: h = x + residual (summed in float for
+/// 16-bit storage and rounded once; h may alias residual for an in-place
+/// update), then y = norm(h). RowMajor rows go in blocks of about
+/// kStageValues values: each block's h is added, then normalized while it is
+/// still in cache (16-bit: from a float buffer holding the rounded h), so
+/// memory sees one read of x and residual and one write of h and y. Rows
+/// are split across the device's threads. ColMajor: the add, then `whole`.
+///   rows_fn(hb, yb, count, r0, saved, prm): normalizes count rows of T from
+///   hb into yb and saves row r0's statistics onward.
+template <typename T, typename Device, typename X, typename R, typename H, typename Y, typename Whole,
+          typename Rows>
+void fused_add_norm(const Device& device, const char* who, const std::vector<Index>& shape, const X& x,
+                    const R& residual, H& h, Y& y, NormStats<T>* saved, Whole&& whole, Rows&& rows_fn,
+                    const ParamPtrs<T>& prm, bool with_mean) {
   using S = typename tensor_traits<X>::Scalar;
-  static_assert(std::is_same<S, typename tensor_traits<R>::Scalar>::value &&
-                    std::is_same<S, typename tensor_traits<H>::Scalar>::value &&
-                    std::is_same<S, typename tensor_traits<Y>::Scalar>::value,
-                "normcore: x, residual, h and y must have the same scalar type");
+  check_storage<T, X>();
+  check_same_scalar<X, R>();
+  check_same_scalar<X, H>();
+  check_same_scalar<X, Y>();
   check_layouts<X, R>();
   check_layouts<X, H>();
   check_layouts<X, Y>();
+  static_assert(tensor_traits<H>::writable && tensor_traits<Y>::writable,
+                "normcore: h and the output must be writable");
   check_same_shape(who, "residual", x, residual);
   check_same_shape(who, "h", x, h);
   check_same_shape(who, "output", x, y);
@@ -87,51 +203,40 @@ void fused_add_norm(const Layer& layer, const char* who, const std::vector<Index
   const S* xp = x.data();
   const S* rp = residual.data();
   S* hp = h.data();
-  auto add = [&](Index b, Index e) {
-    for (Index i = b; i < e; ++i) hp[i] = static_cast<S>(static_cast<float>(xp[i]) + static_cast<float>(rp[i]));
-  };
-  if (!v.row_major || shape.size() != 1 || v.rows == 0) {
-    add(0, v.rows * v.cols);
-    if (saved) {
-      layer.forward(h, y, *saved);
-    } else {
-      layer.forward(h, y);
-    }
+  S* yp = y.data();
+  if (!v.row_major) {
+    add_rows(xp, rp, hp, static_cast<float*>(nullptr), v.rows * v.cols);
+    whole(h, y, saved);
     return;
   }
-  const Index n = v.cols;
-  const Index block = std::max<Index>(1, (Index(1) << 13) / n);
-  Stats part;
+  const Index rows = v.rows, n = v.cols;
   if (saved) {
-    saved->mean.resize(0);
-    saved->rstd.resize(v.rows);
-  }
-  for (Index r0 = 0; r0 < v.rows; r0 += block) {
-    const Index r1 = std::min(v.rows, r0 + block);
-    add(r0 * n, r1 * n);
-    Eigen::TensorMap<const Eigen::Tensor<S, 2, Eigen::RowMajor>> hb(hp + r0 * n, r1 - r0, n);
-    Eigen::TensorMap<Eigen::Tensor<S, 2, Eigen::RowMajor>> yb(y.data() + r0 * n, r1 - r0, n);
-    if (!saved) {
-      layer.forward(hb, yb);
-      continue;
+    if (with_mean) {
+      resize_vector(saved->mean, rows);
+    } else {
+      saved->mean.resize(0);
     }
-    layer.forward(hb, yb, part);
-    if (part.mean.size()) {
-      if (saved->mean.size() != v.rows) saved->mean.resize(v.rows);
-      for (Index r = r0; r < r1; ++r) saved->mean(r) = part.mean(r - r0);
-    }
-    for (Index r = r0; r < r1; ++r) saved->rstd(r) = part.rstd(r - r0);
+    resize_vector(saved->rstd, rows);
   }
-}
-
-/// dx += dh_next, summed in float and rounded once (the gradient of the
-/// residual stream flowing past the norm).
-template <typename DX, typename DH>
-void add_into(DX& dx, const DH& dh) {
-  using S = typename tensor_traits<DX>::Scalar;
-  auto* p = dx.data();
-  const auto* q = dh.data();
-  for (Index i = 0; i < dx.size(); ++i) p[i] = static_cast<S>(static_cast<float>(p[i]) + static_cast<float>(q[i]));
+  if (rows == 0) return;
+  const Index parts = parts_for(device, rows * n, rows);
+  const Split split{rows, parts, 1};
+  run_parts(device, parts, [&](Index p) {
+    const Index b = split.begin(p), e = split.begin(p + 1);
+    const Index blk = stage_rows(n);
+    std::vector<T> buf(std::is_same<S, T>::value ? 0 : static_cast<std::size_t>(2 * blk * n));
+    for (Index r0 = b; r0 < e; r0 += blk) {
+      const Index m = std::min(blk, e - r0);
+      if constexpr (std::is_same<S, T>::value) {
+        add_rows(xp + r0 * n, rp + r0 * n, hp + r0 * n, static_cast<float*>(nullptr), m * n);
+        rows_fn(hp + r0 * n, yp + r0 * n, m, r0, saved, prm);
+      } else {
+        add_rows(xp + r0 * n, rp + r0 * n, hp + r0 * n, buf.data(), m * n);
+        rows_fn(buf.data(), buf.data() + blk * n, m, r0, saved, prm);
+        convert_n(buf.data() + blk * n, yp + r0 * n, m * n);
+      }
+    }
+  });
 }
 
 }  // namespace detail

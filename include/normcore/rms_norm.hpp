@@ -98,15 +98,23 @@ bool normal_in(long double r) {
 }  // namespace detail
 
 /// Root-mean-square normalization over the trailing dims given by
-/// normalized_shape: y = x / sqrt(mean(x^2) + eps) * weight. T is float or double.
-template <typename T>
+/// normalized_shape: y = x / sqrt(mean(x^2) + eps) * weight. P, the weight's
+/// type, is float, double, Eigen::bfloat16 or Eigen::half (the 16-bit
+/// layers compute in float); see LayerNorm for the tensor types accepted.
+template <typename P>
 class RMSNorm {
-  static_assert(std::is_same<T, float>::value || std::is_same<T, double>::value,
-                "normcore::RMSNorm<T>: T must be float or double");
+  static_assert(std::is_same<P, float>::value || std::is_same<P, double>::value ||
+                    detail::is_storage16<P>::value,
+                "normcore::RMSNorm<P>: P must be float, double, Eigen::bfloat16 or Eigen::half");
 
  public:
-  using Scalar = T;
+  using Scalar = P;
+  using Compute = detail::compute_t<P>;
 
+ private:
+  using T = Compute;
+
+ public:
   explicit RMSNorm(RMSNormOptions options)
       : options_(std::move(options)),
         eps_(options_.eps() ? *options_.eps()
@@ -115,18 +123,19 @@ class RMSNorm {
                                               eps_)) {
     if (options_.elementwise_affine()) {
       weight_.resize(size_);
-      weight_.setConstant(T(1));
+      weight_.setConstant(P(1));
     }
   }
 
   const RMSNormOptions& options() const { return options_; }
-  /// The eps in use (epsilon of T when the option is unset).
+  /// The eps in use (epsilon of the arithmetic type when the option is
+  /// unset: float's for the 16-bit layers, as PyTorch's opmath type).
   double eps() const { return eps_; }
   Index normalized_size() const { return size_; }
   /// Weight, flattened in row-major order of normalized_shape; empty without
   /// elementwise_affine.
-  Eigen::Tensor<T, 1>& weight() { return weight_; }
-  const Eigen::Tensor<T, 1>& weight() const { return weight_; }
+  Eigen::Tensor<P, 1>& weight() { return weight_; }
+  const Eigen::Tensor<P, 1>& weight() const { return weight_; }
 
   template <typename X>
   auto operator()(const X& x) const {
@@ -159,77 +168,61 @@ class RMSNorm {
 
   /// Any subset of dx and dweight (a pointer, or nullptr for the ones not wanted).
   template <typename X, typename DY, typename DX>
-  void backward(const X& x, const DY& dy, DX dx, Eigen::Tensor<T, 1>* dweight,
+  void backward(const X& x, const DY& dy, DX dx, Eigen::Tensor<P, 1>* dweight,
                 const NormStats<T>* saved = nullptr) const {
-    backward(Serial(), x, dy, dx, dweight, saved);
+    backward_entry(Serial(), x, dy, dx, static_cast<const X*>(nullptr), dweight, saved);
   }
 
   /// The same on a device's threads; bit-identical for any thread count.
   template <typename Device, typename X, typename DY, typename DX,
             typename = std::enable_if_t<detail::is_device<Device>::value>>
-  void backward(const Device& device, const X& x, const DY& dy, DX dx, Eigen::Tensor<T, 1>* dweight,
+  void backward(const Device& device, const X& x, const DY& dy, DX dx, Eigen::Tensor<P, 1>* dweight,
                 const NormStats<T>* saved = nullptr) const {
-    if constexpr (detail::is_16bit<X>()) {
-      static_assert(std::is_same<T, float>::value,
-                    "normcore: bfloat16/half tensors go through a float layer (statistics in float)");
-      const auto xf = detail::widen(x);
-      const auto dyf = detail::widen(dy);
-      if constexpr (std::is_null_pointer<DX>::value) {
-        backward(device, xf, dyf, nullptr, dweight, saved);
-      } else {
-        if (!dx) {
-          backward(device, xf, dyf, nullptr, dweight, saved);
-          return;
-        }
-        detail::check_same_shape(kWho, "dx", x, *dx);
-        auto dxf = detail::float_like(x);
-        backward(device, xf, dyf, &dxf, dweight, saved);
-        detail::narrow(dxf, *dx);
-      }
-      return;
-    } else {
-    detail::Matrix2D<T> dxv;
-    if constexpr (!std::is_null_pointer<DX>::value) {
-      using D = std::remove_pointer_t<DX>;
-      static_assert(std::is_pointer<DX>::value, "normcore: pass dx as a pointer (or nullptr)");
-      detail::check_scalar<T, D>();
-      detail::check_layouts<X, D>();
-      static_assert(detail::tensor_traits<D>::writable, "normcore: dx must be writable");
-      if (dx) {
-        detail::check_same_shape(kWho, "dx", x, *dx);
-        dxv = detail::split_view<T>(kWho, "dx", *dx, options_.normalized_shape());
-      }
-    }
-    backward_impl(device, x, dy, dxv.data ? &dxv : nullptr, dweight, saved);
-    }
+    backward_entry(device, x, dy, dx, static_cast<const X*>(nullptr), dweight, saved);
   }
 
   /// Fused residual add: h = x + residual (h may be residual itself, for an
   /// in-place update; 16-bit storage sums in float and rounds once), then
-  /// y = RMSNorm(h), optionally saving rstd. As vLLM's fused_add_rms_norm.
+  /// y = RMSNorm(h), optionally saving rstd. As vLLM's fused_add_rms_norm:
+  /// one read of x and residual and one write of h and y (RowMajor).
   template <typename X, typename R, typename H, typename Y>
   void forward_add(const X& x, const R& residual, H&& h, Y&& y, NormStats<T>* saved = nullptr) const {
-    detail::fused_add_norm(*this, kWho, options_.normalized_shape(), x, residual, h, y, saved);
+    forward_add(Serial(), x, residual, h, y, saved);
+  }
+  template <typename Device, typename X, typename R, typename H, typename Y,
+            typename = std::enable_if_t<detail::is_device<Device>::value>>
+  void forward_add(const Device& device, const X& x, const R& residual, H&& h, Y&& y,
+                   NormStats<T>* saved = nullptr) const {
+    detail::fused_add_norm(device, kWho, options_.normalized_shape(), x, residual, h, y, saved,
+                           [&](auto& hh, auto& yy, NormStats<T>* st) { forward_impl(device, hh, yy, st); },
+                           [&](const T* xb, T* yb, Index count, Index r0, NormStats<T>* st,
+                               const detail::ParamPtrs<T>& prm) {
+                             forward_rows(xb, yb, size_, count, st ? st->rstd.data() + r0 : nullptr, prm.gamma);
+                           },
+                           detail::param_ptrs<T>(weight_, Eigen::Tensor<P, 1>()), false);
   }
 
   /// Backward of forward_add: dx = RMSNorm'(h) dy + dh_next (nullptr if none),
-  /// the gradient for both x and residual. dx must not be null.
+  /// the gradient for both x and residual, in one pass over RowMajor rows.
+  /// dx must not be null.
   template <typename H, typename DY, typename DH, typename DX>
-  void backward_add(const H& h, const DY& dy, const DH* dh_next, DX* dx, Eigen::Tensor<T, 1>* dweight,
+  void backward_add(const H& h, const DY& dy, const DH* dh_next, DX* dx, Eigen::Tensor<P, 1>* dweight,
                     const NormStats<T>* saved = nullptr) const {
-    if (!dx) detail::fail(std::string(kWho) + ": backward_add needs dx");
-    backward(h, dy, dx, dweight, saved);
-    if (dh_next) {
-      detail::check_same_shape(kWho, "dh_next", h, *dh_next);
-      detail::add_into(*dx, *dh_next);
-    }
+    backward_add(Serial(), h, dy, dh_next, dx, dweight, saved);
+  }
+  template <typename Device, typename H, typename DY, typename DH, typename DX,
+            typename = std::enable_if_t<detail::is_device<Device>::value>>
+  void backward_add(const Device& device, const H& h, const DY& dy, const DH* dh_next, DX* dx,
+                    Eigen::Tensor<P, 1>* dweight, const NormStats<T>* saved = nullptr) const {
+    if (!dx) detail::fail(std::string(kWho) + ": backward_add needs dx, got nullptr");
+    backward_entry(device, h, dy, dx, dh_next, dweight, saved);
   }
 
   /// Allocating backward: dx and (with a weight) dweight; dbias stays empty.
   template <typename X, typename DY>
   auto backward(const X& x, const DY& dy, const NormStats<T>* saved = nullptr) const {
     using Tr = detail::tensor_traits<X>;
-    Gradients<T, Tr::rank, Tr::layout> g;
+    Gradients<P, Tr::rank, Tr::layout, typename Tr::Scalar> g;
     g.dx = detail::make_like(x);
     backward(x, dy, &g.dx, weight_.size() ? &g.dweight : nullptr, saved);
     return g;
@@ -239,24 +232,16 @@ class RMSNorm {
   static constexpr const char* kWho = "normcore::RMSNorm";
   static constexpr Index kRowBlock = 64;
   static constexpr Index kGroups = 16;
-  const T* gamma() const { return weight_.size() ? weight_.data() : nullptr; }
 
-  /// rstd of rows [r0, r1) into r[r0..r1), in long double (exact path for
-  /// extreme rows). ColMajor: r0 is a multiple of the packet size.
-  void row_rstd(const detail::Matrix2D<T>& xv, Index r0, Index r1, long double* r) const {
+  /// rstd of ColMajor rows [r0, r1) into r[r0..r1), in long double (exact
+  /// path for extreme rows); r0 is a multiple of the packet size.
+  void lane_rstd(const detail::Matrix2D<T>& xv, Index r0, Index r1, long double* r) const {
     using namespace Eigen::internal;
     using Packet = typename detail::simd<T>::Packet;
     constexpr int L = detail::simd<T>::L;
     const Index rows = xv.rows, n = xv.cols;
-    if (xv.row_major) {
-      for (Index i = r0; i < r1; ++i) {
-        const T* xr = xv.data + i * n;
-        r[i] = detail::rms_rstd(xr, n, 1, row_sum_squares(xr, n), eps_);
-      }
-      return;
-    }
-    // ColMajor: a packet of rows at a time, sequential in T within chunks of
-    // kChunk features, chunks added in double. Leftover rows padded.
+    // A packet of rows at a time, sequential in T within chunks of kChunk
+    // features, chunks added in double. Leftover rows padded.
     auto lanes = [&](const T* x, Index ld, double* out) {
       for (int l = 0; l < L; ++l) out[l] = 0;
       for (Index j0 = 0; j0 < n; j0 += detail::kChunk) {
@@ -286,132 +271,192 @@ class RMSNorm {
     }
   }
 
-  template <typename Device, typename X, typename Y>
-  void forward_impl(const Device& device, const X& x, Y& y, NormStats<T>* saved) const {
-    if constexpr (detail::is_16bit<X>() || detail::is_16bit<Y>()) {
-      static_assert(std::is_same<T, float>::value,
-                    "normcore: bfloat16/half tensors go through a float layer (statistics in float)");
-      static_assert(std::is_same<typename detail::tensor_traits<X>::Scalar,
-                                 typename detail::tensor_traits<Y>::Scalar>::value,
-                    "normcore: input and output must have the same storage type");
-      detail::check_same_shape(kWho, "output", x, y);
-      const auto xf = detail::widen(x);
-      auto yf = detail::float_like(x);
-      forward_float(device, xf, yf, saved);
-      detail::narrow(yf, y);
-    } else {
-      forward_float(device, x, y, saved);
-    }
+  long double row_rstd(const T* xr, Index n) const {
+    return detail::rms_rstd(xr, n, 1, row_sum_squares(xr, n), eps_);
   }
 
   template <typename Device, typename X, typename Y>
-  void forward_float(const Device& device, const X& x, Y& y, NormStats<T>* saved) const {
+  void forward_impl(const Device& device, const X& x, Y& y, NormStats<T>* saved) const {
     using namespace Eigen::internal;
     using Packet = typename detail::simd<T>::Packet;
     constexpr int L = detail::simd<T>::L;
-    detail::check_scalar<T, X>();
-    detail::check_scalar<T, Y>();
+    using S = typename detail::tensor_traits<X>::Scalar;
+    detail::check_storage<T, X>();
+    detail::check_same_scalar<X, Y>();
     detail::check_layouts<X, Y>();
     static_assert(detail::tensor_traits<Y>::writable, "normcore: the output must be writable");
-    const auto xv = detail::split_view<T>(kWho, "input", x, options_.normalized_shape());
+    const auto xv = detail::split_view<S>(kWho, "input", x, options_.normalized_shape());
     detail::check_same_shape(kWho, "output", x, y);
+    if constexpr (!std::is_same<S, T>::value) {
+      if (!xv.row_major) {  // ColMajor 16-bit: through a whole float copy
+        const auto xf = detail::widen(x);
+        auto yf = detail::float_like(x);
+        forward_impl(device, xf, yf, saved);
+        detail::narrow(yf, y);
+        return;
+      }
+    }
     if (saved) {
       saved->mean.resize(0);
       detail::resize_vector(saved->rstd, xv.rows);
     }
     if (xv.rows == 0) return;
     const Index rows = xv.rows, n = xv.cols;
-    const auto pv = detail::param_view(!xv.row_major, options_.normalized_shape(), gamma(),
-                                       static_cast<const T*>(nullptr), n);
-    const T* g = pv.gamma;
-    T* out = y.data();
-    std::vector<long double> r(static_cast<std::size_t>(rows));
-    const Index rs = xv.row_major ? n : 1;     // stride between rows
-    const Index fs = xv.row_major ? 1 : rows;  // stride between features
-    // Rows whose rstd is not a normal T: exact scalar path in long double.
-    auto exact_row = [&](Index i) {
-      const long double ri = r[static_cast<std::size_t>(i)];
-      for (Index j = 0; j < n; ++j) {
-        long double v = static_cast<long double>(xv.data[i * rs + j * fs]) * ri;
-        if (g) v *= static_cast<long double>(g[j]);
-        out[i * rs + j * fs] = static_cast<T>(v);
-      }
-    };
+    const auto prm = detail::param_ptrs<T>(weight_, Eigen::Tensor<P, 1>());
+    S* out = y.data();
+    T* rsave = saved ? saved->rstd.data() : nullptr;
     const Index align = xv.row_major ? 1 : L;
     const Index parts = detail::parts_for(device, rows * n, (rows + align - 1) / align);
     const detail::Split split{rows, parts, align};
-    detail::run_parts(device, parts, [&](Index p) {
-      const Index r0 = split.begin(p), r1 = split.begin(p + 1);
-      row_rstd(xv, r0, r1, r.data());
-      if (saved)
-        for (Index i = r0; i < r1; ++i) saved->rstd(i) = static_cast<T>(r[static_cast<std::size_t>(i)]);
-      if (xv.row_major) {
-        for (Index i = r0; i < r1; ++i) {
-          const long double ri = r[static_cast<std::size_t>(i)];
-          if (!detail::normal_in<T>(ri)) {
-            exact_row(i);
-            continue;
-          }
-          const T* xr = xv.data + i * n;
-          T* yr = out + i * n;
-          const T rt = static_cast<T>(ri);
-          const Packet pr = pset1<Packet>(rt);
-          Index j = 0;
-          if (g) {
-            for (; j + L <= n; j += L)
-              pstoreu(yr + j, pmul(pmul(ploadu<Packet>(xr + j), pr), ploadu<Packet>(g + j)));
-            for (; j < n; ++j) yr[j] = xr[j] * rt * g[j];
-          } else {
-            for (; j + L <= n; j += L) pstoreu(yr + j, pmul(ploadu<Packet>(xr + j), pr));
-            for (; j < n; ++j) yr[j] = xr[j] * rt;
+    if (xv.row_major) {
+      detail::run_parts(device, parts, [&](Index p) {
+        const Index b = split.begin(p), e = split.begin(p + 1);
+        if constexpr (std::is_same<S, T>::value) {
+          forward_rows(xv.data + b * n, out + b * n, n, e - b, rsave ? rsave + b : nullptr, prm.gamma);
+        } else {
+          const Index blk = detail::stage_rows(n);
+          std::vector<T> buf(static_cast<std::size_t>(2 * blk * n));
+          for (Index r0 = b; r0 < e; r0 += blk) {
+            const Index m = std::min(blk, e - r0);
+            detail::convert_n(xv.data + r0 * n, buf.data(), m * n);
+            forward_rows(buf.data(), buf.data() + blk * n, n, m, rsave ? rsave + r0 : nullptr, prm.gamma);
+            detail::convert_n(buf.data() + blk * n, out + r0 * n, m * n);
           }
         }
-        return;
-      }
-      // ColMajor: packets of rows; leftover rows padded; abnormal rows redone.
-      std::vector<T> rt(static_cast<std::size_t>(r1 - r0));
-      for (Index i = r0; i < r1; ++i) {
+      });
+      return;
+    }
+    if constexpr (std::is_same<S, T>::value) {
+      const auto pv = detail::param_view(true, options_.normalized_shape(), prm.gamma,
+                                         static_cast<const T*>(nullptr), n);
+      const T* g = pv.gamma;
+      std::vector<long double> r(static_cast<std::size_t>(rows));
+      // Rows whose rstd is not a normal T: exact scalar path in long double.
+      auto exact_row = [&](Index i) {
         const long double ri = r[static_cast<std::size_t>(i)];
-        rt[static_cast<std::size_t>(i - r0)] = detail::normal_in<T>(ri) ? static_cast<T>(ri) : T(0);
-      }
-      auto lanes = [&](const T* xb, T* yb, Index ld, const T* rb) {
-        const Packet pr = ploadu<Packet>(rb);
         for (Index j = 0; j < n; ++j) {
-          Packet v = pmul(ploadu<Packet>(xb + j * ld), pr);
-          if (g) v = pmul(v, pset1<Packet>(g[j]));
-          pstoreu(yb + j * ld, v);
+          long double v = static_cast<long double>(xv.data[i + j * rows]) * ri;
+          if (g) v *= static_cast<long double>(g[j]);
+          out[i + j * rows] = static_cast<T>(v);
         }
       };
-      Index i0 = r0;
-      for (; i0 + L <= r1; i0 += L) lanes(xv.data + i0, out + i0, rows, rt.data() + (i0 - r0));
-      if (i0 < r1) {
-        const Index m = r1 - i0;
-        std::vector<T> tmp(static_cast<std::size_t>(2 * L * n + L));
-        detail::gather_lanes(xv.data, rows, i0, m, n, Index(L), tmp.data());
-        detail::gather_values(rt.data(), i0 - r0, m, Index(L), tmp.data() + 2 * L * n);
-        lanes(tmp.data(), tmp.data() + L * n, L, tmp.data() + 2 * L * n);
-        detail::scatter_lanes(tmp.data() + L * n, rows, i0, m, n, Index(L), out);
+      detail::run_parts(device, parts, [&](Index p) {
+        const Index r0 = split.begin(p), r1 = split.begin(p + 1);
+        lane_rstd(xv, r0, r1, r.data());
+        if (rsave)
+          for (Index i = r0; i < r1; ++i) rsave[i] = static_cast<T>(r[static_cast<std::size_t>(i)]);
+        // Packets of rows; leftover rows padded; abnormal rows redone.
+        std::vector<T> rt(static_cast<std::size_t>(r1 - r0));
+        for (Index i = r0; i < r1; ++i) {
+          const long double ri = r[static_cast<std::size_t>(i)];
+          rt[static_cast<std::size_t>(i - r0)] = detail::normal_in<T>(ri) ? static_cast<T>(ri) : T(0);
+        }
+        auto lanes = [&](const T* xb, T* yb, Index ld, const T* rb) {
+          const Packet pr = ploadu<Packet>(rb);
+          for (Index j = 0; j < n; ++j) {
+            Packet v = pmul(ploadu<Packet>(xb + j * ld), pr);
+            if (g) v = pmul(v, pset1<Packet>(g[j]));
+            pstoreu(yb + j * ld, v);
+          }
+        };
+        Index i0 = r0;
+        for (; i0 + L <= r1; i0 += L) lanes(xv.data + i0, out + i0, rows, rt.data() + (i0 - r0));
+        if (i0 < r1) {
+          const Index m = r1 - i0;
+          std::vector<T> tmp(static_cast<std::size_t>(2 * L * n + L));
+          detail::gather_lanes(xv.data, rows, i0, m, n, Index(L), tmp.data());
+          detail::gather_values(rt.data(), i0 - r0, m, Index(L), tmp.data() + 2 * L * n);
+          lanes(tmp.data(), tmp.data() + L * n, L, tmp.data() + 2 * L * n);
+          detail::scatter_lanes(tmp.data() + L * n, rows, i0, m, n, Index(L), out);
+        }
+        for (Index i = r0; i < r1; ++i)
+          if (!detail::normal_in<T>(r[static_cast<std::size_t>(i)])) exact_row(i);
+      });
+    }
+  }
+
+  // `count` RowMajor rows of n values; rsave (optional) gets rstd per row.
+  void forward_rows(const T* x, T* out, Index n, Index count, T* rsave, const T* g) const {
+    using namespace Eigen::internal;
+    using Packet = typename detail::simd<T>::Packet;
+    constexpr int L = detail::simd<T>::L;
+    for (Index i = 0; i < count; ++i) {
+      const T* xr = x + i * n;
+      T* yr = out + i * n;
+      const long double ri = row_rstd(xr, n);
+      if (rsave) rsave[i] = static_cast<T>(ri);
+      if (!detail::normal_in<T>(ri)) {  // exact scalar path in long double
+        for (Index j = 0; j < n; ++j) {
+          long double v = static_cast<long double>(xr[j]) * ri;
+          if (g) v *= static_cast<long double>(g[j]);
+          yr[j] = static_cast<T>(v);
+        }
+        continue;
       }
-      for (Index i = r0; i < r1; ++i)
-        if (!detail::normal_in<T>(r[static_cast<std::size_t>(i)])) exact_row(i);
-    });
+      const T rt = static_cast<T>(ri);
+      const Packet pr = pset1<Packet>(rt);
+      Index j = 0;
+      if (g) {
+        for (; j + L <= n; j += L)
+          pstoreu(yr + j, pmul(pmul(ploadu<Packet>(xr + j), pr), ploadu<Packet>(g + j)));
+        for (; j < n; ++j) yr[j] = xr[j] * rt * g[j];
+      } else {
+        for (; j + L <= n; j += L) pstoreu(yr + j, pmul(ploadu<Packet>(xr + j), pr));
+        for (; j < n; ++j) yr[j] = xr[j] * rt;
+      }
+    }
+  }
+
+  template <typename Device, typename X, typename DY, typename DX, typename DH>
+  void backward_entry(const Device& device, const X& x, const DY& dy, DX dx, const DH* dh,
+                      Eigen::Tensor<P, 1>* dweight, const NormStats<T>* saved) const {
+    using S = typename detail::tensor_traits<X>::Scalar;
+    detail::check_storage<T, X>();
+    detail::check_same_scalar<X, DY>();
+    detail::check_layouts<X, DY>();
+    detail::check_same_scalar<X, DH>();
+    detail::check_layouts<X, DH>();
+    const auto xv = detail::split_view<S>(kWho, "input", x, options_.normalized_shape());
+    detail::check_same_shape(kWho, "dy", x, dy);
+    if (dh) detail::check_same_shape(kWho, "dh_next", x, *dh);
+    S* dxp = nullptr;
+    if constexpr (!std::is_null_pointer<DX>::value) {
+      using D = std::remove_pointer_t<DX>;
+      static_assert(std::is_pointer<DX>::value, "normcore: pass dx as a pointer (or nullptr)");
+      detail::check_same_scalar<X, D>();
+      detail::check_layouts<X, D>();
+      static_assert(detail::tensor_traits<D>::writable, "normcore: dx must be writable");
+      if (dx) {
+        detail::check_same_shape(kWho, "dx", x, *dx);
+        dxp = dx->data();
+      }
+    }
+    if constexpr (!std::is_same<S, T>::value) {
+      if (!xv.row_major) {
+        const auto xf = detail::widen(x);
+        const auto dyf = detail::widen(dy);
+        auto dxf = detail::float_like(x);
+        decltype(detail::widen(x)) dhf;
+        if (dh) dhf = detail::widen(*dh);
+        const auto fv = detail::split_view<T>(kWho, "input", xf, options_.normalized_shape());
+        backward_impl(device, fv, dyf.data(), dxp ? dxf.data() : nullptr, dh ? dhf.data() : nullptr,
+                      dweight, saved);
+        if (dxp) detail::narrow(dxf, *dx);
+        return;
+      }
+    }
+    backward_impl(device, xv, dy.data(), dxp, dh ? dh->data() : nullptr, dweight, saved);
   }
 
   // dx = rstd * (g - x_hat * mean(g * x_hat)), x_hat = x * rstd, g = dy * weight:
   // no mean-subtraction term. One pass sums g * x; a second writes dx and
   // accumulates dweight = sum over rows of dy * x_hat (blocks of rows in T,
   // blocks added in double in order, fixed groups of blocks per thread).
-  template <typename Device, typename X, typename DY>
-  void backward_impl(const Device& device, const X& x, const DY& dy, const detail::Matrix2D<T>* dxv,
-                     Eigen::Tensor<T, 1>* dweight, const NormStats<T>* saved) const {
-    using namespace Eigen::internal;
-    using Packet = typename detail::simd<T>::Packet;
+  template <typename Device, typename S>
+  void backward_impl(const Device& device, const detail::Matrix2D<S>& xv, const S* dyp, S* dx,
+                     const S* dhp, Eigen::Tensor<P, 1>* dweight, const NormStats<T>* saved) const {
     constexpr int L = detail::simd<T>::L;
-    detail::check_scalar<T, X>();
-    detail::check_scalar<T, DY>();
-    detail::check_layouts<X, DY>();
-    const auto xv = detail::split_view<T>(kWho, "input", x, options_.normalized_shape());
-    detail::check_same_shape(kWho, "dy", x, dy);
+    constexpr bool wide = !std::is_same<S, T>::value;
     if (dweight && !weight_.size()) {
       detail::fail(std::string(kWho) + ": dweight requested but the layer has no weight "
                                        "(elementwise_affine is false)");
@@ -424,156 +469,68 @@ class RMSNorm {
     const detail::Split gsplit{rows, groups, align};
     const Index parts = detail::parts_for(device, rows * n, groups);
     const detail::Split psplit{groups, parts, 1};
-    const auto pv = detail::param_view(!xv.row_major, options_.normalized_shape(), gamma(),
+    const auto prm = detail::param_ptrs<T>(weight_, Eigen::Tensor<P, 1>());
+    const auto pv = detail::param_view(!xv.row_major, options_.normalized_shape(), prm.gamma,
                                        static_cast<const T*>(nullptr), n);
     const T* g = pv.gamma;
-    const T* dyp = dy.data();
-    T* dx = dxv ? dxv->data : nullptr;
     std::vector<double> dw_part(dweight ? static_cast<std::size_t>(groups * n) : 0, 0.0);
-    const Index rs = xv.row_major ? n : 1;
-    const Index fs = xv.row_major ? 1 : rows;
-    std::vector<long double> r(static_cast<std::size_t>(rows));
-
-    // Exact path for rows whose rstd is not a normal T.
-    auto exact_row = [&](Index i, double* dwp) {
-      const long double ri = r[static_cast<std::size_t>(i)];
-      long double sgx = 0;
-      for (Index j = 0; j < n; ++j) {
-        const long double gj = static_cast<long double>(dyp[i * rs + j * fs]) * (g ? static_cast<long double>(g[j]) : 1.0L);
-        sgx += gj * static_cast<long double>(xv.data[i * rs + j * fs]) * ri;
-      }
-      const long double c = sgx / static_cast<long double>(n);
-      for (Index j = 0; j < n; ++j) {
-        const long double xh = static_cast<long double>(xv.data[i * rs + j * fs]) * ri;
-        const long double gj = static_cast<long double>(dyp[i * rs + j * fs]) * (g ? static_cast<long double>(g[j]) : 1.0L);
-        if (dx) dx[i * rs + j * fs] = static_cast<T>(ri * (gj - xh * c));
-        if (dwp) dwp[j] += static_cast<double>(static_cast<long double>(dyp[i * rs + j * fs]) * xh);
-      }
-    };
 
     detail::run_parts(device, parts, [&](Index p) {
+      const Index sb = wide ? (kRowBlock * n <= 4 * detail::kStageValues ? kRowBlock : detail::stage_rows(n)) : 0;
+      std::vector<T> buf(static_cast<std::size_t>(4 * sb * n));
+      std::vector<long double> r;
       for (Index gi = psplit.begin(p); gi < psplit.begin(p + 1); ++gi) {
         const Index g0 = gsplit.begin(gi), g1 = gsplit.begin(gi + 1);
         double* dwp = dweight ? dw_part.data() + gi * n : nullptr;
-        // rstd: saved (a saturated one is recomputed exactly), or recomputed.
-        if (saved) {
-          bool any = false;
-          for (Index i = g0; i < g1; ++i) {
-            r[static_cast<std::size_t>(i)] = saved->rstd(i);
-            any = any || !detail::normal_in<T>(r[static_cast<std::size_t>(i)]);
-          }
-          if (any) {
-            std::vector<long double> full(static_cast<std::size_t>(rows));
-            row_rstd(xv, g0, g1, full.data());
-            for (Index i = g0; i < g1; ++i)
-              if (!detail::normal_in<T>(r[static_cast<std::size_t>(i)])) r[static_cast<std::size_t>(i)] = full[static_cast<std::size_t>(i)];
-          }
-        } else {
-          row_rstd(xv, g0, g1, r.data());
-        }
         if (xv.row_major) {
-          std::vector<T> acc(dweight ? static_cast<std::size_t>(n) : 0);
-          for (Index b0 = g0; b0 < g1; b0 += kRowBlock) {
-            const Index b1 = std::min(g1, b0 + kRowBlock);
-            std::fill(acc.begin(), acc.end(), T(0));
-            for (Index i = b0; i < b1; ++i) {
-              if (!detail::normal_in<T>(r[static_cast<std::size_t>(i)])) {
-                exact_row(i, dwp);
-                continue;
-              }
-              const T* xr = xv.data + i * n;
-              const T* gr = dyp + i * n;
-              const T rt = static_cast<T>(r[static_cast<std::size_t>(i)]);
-              Packet s0 = pset1<Packet>(T(0)), s1 = s0;
-              Index j = 0;
-              for (; j + 2 * L <= n; j += 2 * L) {
-                Packet g0v = ploadu<Packet>(gr + j), g1v = ploadu<Packet>(gr + j + L);
-                if (g) {
-                  g0v = pmul(g0v, ploadu<Packet>(g + j));
-                  g1v = pmul(g1v, ploadu<Packet>(g + j + L));
-                }
-                s0 = pmadd(g0v, ploadu<Packet>(xr + j), s0);
-                s1 = pmadd(g1v, ploadu<Packet>(xr + j + L), s1);
-              }
-              for (; j + L <= n; j += L) {
-                Packet g0v = ploadu<Packet>(gr + j);
-                if (g) g0v = pmul(g0v, ploadu<Packet>(g + j));
-                s0 = pmadd(g0v, ploadu<Packet>(xr + j), s0);
-              }
-              double sgx = static_cast<double>(predux(padd(s0, s1)));
-              for (; j < n; ++j)
-                sgx += static_cast<double>(g ? gr[j] * g[j] : gr[j]) * static_cast<double>(xr[j]);
-              const T c = static_cast<T>(static_cast<double>(rt) * sgx / static_cast<double>(n));
-              const Packet pr = pset1<Packet>(rt), pc = pset1<Packet>(c);
-              j = 0;
-              for (; j + L <= n; j += L) {
-                const Packet dyv = ploadu<Packet>(gr + j);
-                const Packet xh = pmul(ploadu<Packet>(xr + j), pr);
-                if (dx) {
-                  const Packet gv = g ? pmul(dyv, ploadu<Packet>(g + j)) : dyv;
-                  pstoreu(dx + i * n + j, pmul(pr, psub(gv, pmul(xh, pc))));
-                }
-                if (dwp) pstoreu(acc.data() + j, pmadd(dyv, xh, ploadu<Packet>(acc.data() + j)));
-              }
-              for (; j < n; ++j) {
-                const T xh = xr[j] * rt;
-                if (dx) dx[i * n + j] = rt * ((g ? gr[j] * g[j] : gr[j]) - xh * c);
-                if (dwp) acc[static_cast<std::size_t>(j)] = detail::madd(gr[j], xh, acc[static_cast<std::size_t>(j)]);
-              }
+          // Sub-blocks: the whole group for T data; widened blocks of sb rows
+          // for 16-bit data.
+          const Index step = wide ? sb : g1 - g0;
+          for (Index b0 = g0; b0 < g1; b0 += step) {
+            const Index m = std::min(step, g1 - b0);
+            const T* bx;
+            const T* bdy;
+            const T* bdh = nullptr;
+            T* bdx = nullptr;
+            if constexpr (wide) {
+              T* wx = buf.data();
+              T* wdy = wx + sb * n;
+              T* wdx = wdy + sb * n;
+              T* wdh = wdx + sb * n;
+              detail::convert_n(xv.data + b0 * n, wx, m * n);
+              detail::convert_n(dyp + b0 * n, wdy, m * n);
+              if (dhp) detail::convert_n(dhp + b0 * n, wdh, m * n);
+              bx = wx;
+              bdy = wdy;
+              bdx = dx ? wdx : nullptr;
+              bdh = dhp ? wdh : nullptr;
+            } else {
+              bx = xv.data + b0 * n;
+              bdy = dyp + b0 * n;
+              bdx = dx ? dx + b0 * n : nullptr;
+              bdh = dhp ? dhp + b0 * n : nullptr;
             }
-            for (Index j = 0; dwp && j < n; ++j) dwp[j] += static_cast<double>(acc[static_cast<std::size_t>(j)]);
+            // rstd: saved (a saturated one is recomputed exactly), or recomputed.
+            r.resize(static_cast<std::size_t>(m));
+            for (Index i = 0; i < m; ++i) {
+              long double ri = saved ? static_cast<long double>(saved->rstd(b0 + i)) : 0.0L;
+              if (!saved || !detail::normal_in<T>(ri)) ri = row_rstd(bx + i * n, n);
+              r[static_cast<std::size_t>(i)] = ri;
+            }
+            backward_rows(bx, bdy, bdx, m, n, r.data(), g, dwp, bdh);
+            if constexpr (wide) {
+              if (dx) detail::convert_n(bdx, dx + b0 * n, m * n);
+            }
           }
           continue;
         }
-        // ColMajor: packets of rows, leftover rows padded; rows with an
-        // abnormal rstd get rstd 0 in the packet pass and are redone exactly.
-        std::vector<T> rt(static_cast<std::size_t>(g1 - g0));
-        for (Index i = g0; i < g1; ++i) {
-          const long double ri = r[static_cast<std::size_t>(i)];
-          rt[static_cast<std::size_t>(i - g0)] = detail::normal_in<T>(ri) ? static_cast<T>(ri) : T(0);
+        if constexpr (!wide) {
+          backward_lanes_group(xv, dyp, dx, g0, g1, g, dwp, saved);
+          if (dx && dhp) {  // the residual gradient, added in a second pass
+            for (Index j = 0; j < n; ++j)
+              for (Index i = g0; i < g1; ++i) dx[j * rows + i] += dhp[j * rows + i];
+          }
         }
-        auto lanes = [&](const T* xb, const T* dyb, T* dxb, Index ld, const T* rb, Index active) {
-          const Packet pr = ploadu<Packet>(rb);
-          Packet sacc = pset1<Packet>(T(0));
-          for (Index j = 0; j < n; ++j) {
-            Packet gv = ploadu<Packet>(dyb + j * ld);
-            if (g) gv = pmul(gv, pset1<Packet>(g[j]));
-            sacc = pmadd(gv, ploadu<Packet>(xb + j * ld), sacc);
-          }
-          alignas(64) T sb[L], cb[L], mask[L];
-          pstoreu(sb, sacc);
-          for (int l = 0; l < L; ++l) {
-            cb[l] = static_cast<T>(static_cast<double>(rb[l]) * static_cast<double>(sb[l]) / static_cast<double>(n));
-            mask[l] = (l < active && rb[l] != T(0)) ? T(1) : T(0);
-          }
-          const Packet pc = ploadu<Packet>(cb), pm = ploadu<Packet>(mask);
-          for (Index j = 0; j < n; ++j) {
-            const Packet dyv = ploadu<Packet>(dyb + j * ld);
-            const Packet xh = pmul(ploadu<Packet>(xb + j * ld), pr);
-            if (dxb) {
-              const Packet gv = g ? pmul(dyv, pset1<Packet>(g[j])) : dyv;
-              pstoreu(dxb + j * ld, pmul(pr, psub(gv, pmul(xh, pc))));
-            }
-            if (dwp) dwp[j] += static_cast<double>(predux(pmul(pmul(dyv, pm), xh)));
-          }
-        };
-        Index i0 = g0;
-        for (; i0 + L <= g1; i0 += L)
-          lanes(xv.data + i0, dyp + i0, dx ? dx + i0 : nullptr, rows, rt.data() + (i0 - g0), L);
-        if (i0 < g1) {
-          const Index m = g1 - i0;
-          std::vector<T> tmp(static_cast<std::size_t>(3 * L * n + L));
-          T* tx = tmp.data();
-          T* tdy = tx + L * n;
-          T* tdx = tdy + L * n;
-          detail::gather_lanes(xv.data, rows, i0, m, n, Index(L), tx);
-          detail::gather_lanes(dyp, rows, i0, m, n, Index(L), tdy);
-          detail::gather_values(rt.data(), i0 - g0, m, Index(L), tdx + L * n);
-          lanes(tx, tdy, dx ? tdx : nullptr, L, tdx + L * n, m);
-          if (dx) detail::scatter_lanes(tdx, rows, i0, m, n, Index(L), dx);
-        }
-        for (Index i = g0; i < g1; ++i)
-          if (!detail::normal_in<T>(r[static_cast<std::size_t>(i)])) exact_row(i, dwp);
       }
     });
     if (dweight) {
@@ -584,15 +541,187 @@ class RMSNorm {
       for (Index c = 0; c < n; ++c) {
         double t = 0;
         for (Index gi = 0; gi < groups; ++gi) t += dw_part[static_cast<std::size_t>(gi * n + c)];
-        (*dweight)(permute ? perm[static_cast<std::size_t>(c)] : c) = static_cast<T>(t);
+        (*dweight)(permute ? perm[static_cast<std::size_t>(c)] : c) = static_cast<P>(t);
       }
     }
+  }
+
+  // `count` RowMajor rows with rstd r (long double; a row whose rstd is not a
+  // normal T takes the exact path); dw sums dy * x_hat over blocks of
+  // kRowBlock rows in T, each block added into dwp in double; dh (optional)
+  // is added to dx.
+  static void backward_rows(const T* x, const T* dy, T* dx, Index count, Index n, const long double* r,
+                            const T* g, double* dwp, const T* dh) {
+    using namespace Eigen::internal;
+    using Packet = typename detail::simd<T>::Packet;
+    constexpr int L = detail::simd<T>::L;
+    std::vector<T> acc(dwp ? static_cast<std::size_t>(n) : 0);
+    for (Index b0 = 0; b0 < count; b0 += kRowBlock) {
+      const Index b1 = std::min(count, b0 + kRowBlock);
+      std::fill(acc.begin(), acc.end(), T(0));
+      for (Index i = b0; i < b1; ++i) {
+        const T* xr = x + i * n;
+        const T* gr = dy + i * n;
+        const long double ri = r[i];
+        if (!detail::normal_in<T>(ri)) {
+          long double sgx = 0;
+          for (Index j = 0; j < n; ++j) {
+            const long double gj = static_cast<long double>(gr[j]) * (g ? static_cast<long double>(g[j]) : 1.0L);
+            sgx += gj * static_cast<long double>(xr[j]) * ri;
+          }
+          const long double c = sgx / static_cast<long double>(n);
+          for (Index j = 0; j < n; ++j) {
+            const long double xh = static_cast<long double>(xr[j]) * ri;
+            const long double gj = static_cast<long double>(gr[j]) * (g ? static_cast<long double>(g[j]) : 1.0L);
+            if (dx) {
+              long double v = ri * (gj - xh * c);
+              if (dh) v += static_cast<long double>(dh[i * n + j]);
+              dx[i * n + j] = static_cast<T>(v);
+            }
+            if (dwp) dwp[j] += static_cast<double>(static_cast<long double>(gr[j]) * xh);
+          }
+          continue;
+        }
+        const T rt = static_cast<T>(ri);
+        Packet s0 = pset1<Packet>(T(0)), s1 = s0;
+        Index j = 0;
+        for (; j + 2 * L <= n; j += 2 * L) {
+          Packet g0v = ploadu<Packet>(gr + j), g1v = ploadu<Packet>(gr + j + L);
+          if (g) {
+            g0v = pmul(g0v, ploadu<Packet>(g + j));
+            g1v = pmul(g1v, ploadu<Packet>(g + j + L));
+          }
+          s0 = pmadd(g0v, ploadu<Packet>(xr + j), s0);
+          s1 = pmadd(g1v, ploadu<Packet>(xr + j + L), s1);
+        }
+        for (; j + L <= n; j += L) {
+          Packet g0v = ploadu<Packet>(gr + j);
+          if (g) g0v = pmul(g0v, ploadu<Packet>(g + j));
+          s0 = pmadd(g0v, ploadu<Packet>(xr + j), s0);
+        }
+        double sgx = static_cast<double>(predux(padd(s0, s1)));
+        for (; j < n; ++j)
+          sgx += static_cast<double>(g ? gr[j] * g[j] : gr[j]) * static_cast<double>(xr[j]);
+        const T c = static_cast<T>(static_cast<double>(rt) * sgx / static_cast<double>(n));
+        const Packet pr = pset1<Packet>(rt), pc = pset1<Packet>(c);
+        j = 0;
+        for (; j + L <= n; j += L) {
+          const Packet dyv = ploadu<Packet>(gr + j);
+          const Packet xh = pmul(ploadu<Packet>(xr + j), pr);
+          if (dx) {
+            const Packet gv = g ? pmul(dyv, ploadu<Packet>(g + j)) : dyv;
+            Packet v = pmul(pr, psub(gv, pmul(xh, pc)));
+            if (dh) v = padd(v, ploadu<Packet>(dh + i * n + j));
+            pstoreu(dx + i * n + j, v);
+          }
+          if (dwp) pstoreu(acc.data() + j, pmadd(dyv, xh, ploadu<Packet>(acc.data() + j)));
+        }
+        for (; j < n; ++j) {
+          const T xh = xr[j] * rt;
+          if (dx) {
+            const T v = rt * ((g ? gr[j] * g[j] : gr[j]) - xh * c);
+            dx[i * n + j] = dh ? v + dh[i * n + j] : v;
+          }
+          if (dwp) acc[static_cast<std::size_t>(j)] = detail::madd(gr[j], xh, acc[static_cast<std::size_t>(j)]);
+        }
+      }
+      for (Index j = 0; dwp && j < n; ++j) dwp[j] += static_cast<double>(acc[static_cast<std::size_t>(j)]);
+    }
+  }
+
+  // ColMajor rows [g0, g1) of one group: packets of rows, leftover rows
+  // padded; rows with an abnormal rstd get rstd 0 in the packet pass and are
+  // redone exactly.
+  void backward_lanes_group(const detail::Matrix2D<T>& xv, const T* dyp, T* dx, Index g0, Index g1,
+                            const T* g, double* dwp, const NormStats<T>* saved) const {
+    using namespace Eigen::internal;
+    using Packet = typename detail::simd<T>::Packet;
+    constexpr int L = detail::simd<T>::L;
+    const Index rows = xv.rows, n = xv.cols;
+    std::vector<long double> r(static_cast<std::size_t>(rows));
+    if (saved) {
+      bool any = false;
+      for (Index i = g0; i < g1; ++i) {
+        r[static_cast<std::size_t>(i)] = saved->rstd(i);
+        any = any || !detail::normal_in<T>(r[static_cast<std::size_t>(i)]);
+      }
+      if (any) {
+        std::vector<long double> full(static_cast<std::size_t>(rows));
+        lane_rstd(xv, g0, g1, full.data());
+        for (Index i = g0; i < g1; ++i)
+          if (!detail::normal_in<T>(r[static_cast<std::size_t>(i)])) r[static_cast<std::size_t>(i)] = full[static_cast<std::size_t>(i)];
+      }
+    } else {
+      lane_rstd(xv, g0, g1, r.data());
+    }
+    auto exact_row = [&](Index i) {
+      const long double ri = r[static_cast<std::size_t>(i)];
+      long double sgx = 0;
+      for (Index j = 0; j < n; ++j) {
+        const long double gj = static_cast<long double>(dyp[i + j * rows]) * (g ? static_cast<long double>(g[j]) : 1.0L);
+        sgx += gj * static_cast<long double>(xv.data[i + j * rows]) * ri;
+      }
+      const long double c = sgx / static_cast<long double>(n);
+      for (Index j = 0; j < n; ++j) {
+        const long double xh = static_cast<long double>(xv.data[i + j * rows]) * ri;
+        const long double gj = static_cast<long double>(dyp[i + j * rows]) * (g ? static_cast<long double>(g[j]) : 1.0L);
+        if (dx) dx[i + j * rows] = static_cast<T>(ri * (gj - xh * c));
+        if (dwp) dwp[j] += static_cast<double>(static_cast<long double>(dyp[i + j * rows]) * xh);
+      }
+    };
+    std::vector<T> rt(static_cast<std::size_t>(g1 - g0));
+    for (Index i = g0; i < g1; ++i) {
+      const long double ri = r[static_cast<std::size_t>(i)];
+      rt[static_cast<std::size_t>(i - g0)] = detail::normal_in<T>(ri) ? static_cast<T>(ri) : T(0);
+    }
+    auto lanes = [&](const T* xb, const T* dyb, T* dxb, Index ld, const T* rb, Index active) {
+      const Packet pr = ploadu<Packet>(rb);
+      Packet sacc = pset1<Packet>(T(0));
+      for (Index j = 0; j < n; ++j) {
+        Packet gv = ploadu<Packet>(dyb + j * ld);
+        if (g) gv = pmul(gv, pset1<Packet>(g[j]));
+        sacc = pmadd(gv, ploadu<Packet>(xb + j * ld), sacc);
+      }
+      alignas(64) T sbuf[L], cb[L], mask[L];
+      pstoreu(sbuf, sacc);
+      for (int l = 0; l < L; ++l) {
+        cb[l] = static_cast<T>(static_cast<double>(rb[l]) * static_cast<double>(sbuf[l]) / static_cast<double>(n));
+        mask[l] = (l < active && rb[l] != T(0)) ? T(1) : T(0);
+      }
+      const Packet pc = ploadu<Packet>(cb), pm = ploadu<Packet>(mask);
+      for (Index j = 0; j < n; ++j) {
+        const Packet dyv = ploadu<Packet>(dyb + j * ld);
+        const Packet xh = pmul(ploadu<Packet>(xb + j * ld), pr);
+        if (dxb) {
+          const Packet gv = g ? pmul(dyv, pset1<Packet>(g[j])) : dyv;
+          pstoreu(dxb + j * ld, pmul(pr, psub(gv, pmul(xh, pc))));
+        }
+        if (dwp) dwp[j] += static_cast<double>(predux(pmul(pmul(dyv, pm), xh)));
+      }
+    };
+    Index i0 = g0;
+    for (; i0 + L <= g1; i0 += L)
+      lanes(xv.data + i0, dyp + i0, dx ? dx + i0 : nullptr, rows, rt.data() + (i0 - g0), L);
+    if (i0 < g1) {
+      const Index m = g1 - i0;
+      std::vector<T> tmp(static_cast<std::size_t>(3 * L * n + L));
+      T* tx = tmp.data();
+      T* tdy = tx + L * n;
+      T* tdx = tdy + L * n;
+      detail::gather_lanes(xv.data, rows, i0, m, n, Index(L), tx);
+      detail::gather_lanes(dyp, rows, i0, m, n, Index(L), tdy);
+      detail::gather_values(rt.data(), i0 - g0, m, Index(L), tdx + L * n);
+      lanes(tx, tdy, dx ? tdx : nullptr, L, tdx + L * n, m);
+      if (dx) detail::scatter_lanes(tdx, rows, i0, m, n, Index(L), dx);
+    }
+    for (Index i = g0; i < g1; ++i)
+      if (!detail::normal_in<T>(r[static_cast<std::size_t>(i)])) exact_row(i);
   }
 
   RMSNormOptions options_;
   double eps_;
   Index size_;
-  Eigen::Tensor<T, 1> weight_;
+  Eigen::Tensor<P, 1> weight_;
 };
 
 }  // namespace normcore
