@@ -1,4 +1,5 @@
 // 16-bit storage (bfloat16, half) and the fused residual norms.
+#define EIGEN_USE_THREADS
 #include "test_util.hpp"
 
 namespace {
@@ -160,6 +161,245 @@ TEST(Fused, BFloat16ResidualSumsInFloatAndRoundsOnce) {
   }
   Eigen::Tensor<Eigen::bfloat16, 2, Eigen::RowMajor> y0 = rn(h);
   for (Index i = 0; i < y.size(); ++i) ASSERT_EQ(static_cast<float>(y.data()[i]), static_cast<float>(y0.data()[i]));
+}
+
+// ---------------------------------------------------------------- staging
+
+template <typename S>
+std::vector<float> widened(const std::vector<S>& v) {
+  return to32(v);
+}
+
+// RowMajor 16-bit rows are widened a block at a time; the result must be the
+// float path on the whole widened tensor, rounded once, bit for bit.
+template <typename S>
+void check_staged_equals_whole() {
+  for (Index n : {Index(1), Index(50), Index(64), Index(768), Index(5000)}) {
+    for (Index rows : {Index(1), Index(7), Index(130)}) {
+      SCOPED_TRACE(::testing::Message() << rows << "x" << n);
+      const std::size_t N = static_cast<std::size_t>(rows * n);
+      const auto xs = to16<S>(randn<float>(N, 21, 3.0, 2.0));
+      const auto dys = to16<S>(randn<float>(N, 22));
+      const auto dhs = to16<S>(randn<float>(N, 23));
+      const auto xw = to32(xs), dyw = to32(dys), dhw = to32(dhs);
+      using M16 = Eigen::TensorMap<const Eigen::Tensor<S, 2, Eigen::RowMajor>>;
+      using MF = Eigen::TensorMap<const Eigen::Tensor<float, 2, Eigen::RowMajor>>;
+      M16 x(xs.data(), rows, n), dy(dys.data(), rows, n), dh(dhs.data(), rows, n);
+      MF xf(xw.data(), rows, n), dyf(dyw.data(), rows, n), dhf(dhw.data(), rows, n);
+      normcore::LayerNorm<float> ln(normcore::LayerNormOptions({n}));
+      ln.weight().setRandom();
+      ln.bias().setRandom();
+      normcore::RMSNorm<float> rn(normcore::RMSNormOptions({n}));
+      rn.weight().setRandom();
+      // Forward, statistics saved.
+      Eigen::Tensor<S, 2, Eigen::RowMajor> y(rows, n), z(rows, n);
+      Eigen::Tensor<float, 2, Eigen::RowMajor> yf(rows, n), zf(rows, n);
+      normcore::NormStats<float> s, sf, t, tf;
+      ln.forward(x, y, s);
+      ln.forward(xf, yf, sf);
+      rn.forward(x, z, t);
+      rn.forward(xf, zf, tf);
+      for (std::size_t i = 0; i < N; ++i) {
+        ASSERT_EQ(static_cast<float>(y.data()[i]), static_cast<float>(static_cast<S>(yf.data()[i]))) << i;
+        ASSERT_EQ(static_cast<float>(z.data()[i]), static_cast<float>(static_cast<S>(zf.data()[i]))) << i;
+      }
+      EXPECT_TRUE(bit_equal(s.mean.data(), sf.mean.data(), static_cast<std::size_t>(rows)));
+      EXPECT_TRUE(bit_equal(s.rstd.data(), sf.rstd.data(), static_cast<std::size_t>(rows)));
+      EXPECT_TRUE(bit_equal(t.rstd.data(), tf.rstd.data(), static_cast<std::size_t>(rows)));
+      // Backward (saved and recomputed statistics), plain and fused.
+      for (bool use_saved : {true, false}) {
+        Eigen::Tensor<S, 2, Eigen::RowMajor> dx(rows, n), dxa(rows, n), dr(rows, n), dra(rows, n);
+        Eigen::Tensor<float, 2, Eigen::RowMajor> dxf(rows, n), drf(rows, n);
+        Eigen::Tensor<float, 1> dw, db, dwf, dbf, rw, rwf;
+        ln.backward(x, dy, &dx, &dw, &db, use_saved ? &s : nullptr);
+        ln.backward(xf, dyf, &dxf, &dwf, &dbf, use_saved ? &sf : nullptr);
+        ln.backward_add(x, dy, &dh, &dxa, nullptr, nullptr, use_saved ? &s : nullptr);
+        rn.backward(x, dy, &dr, &rw, use_saved ? &t : nullptr);
+        rn.backward(xf, dyf, &drf, &rwf, use_saved ? &tf : nullptr);
+        rn.backward_add(x, dy, &dh, &dra, nullptr, use_saved ? &t : nullptr);
+        for (std::size_t i = 0; i < N; ++i) {
+          ASSERT_EQ(static_cast<float>(dx.data()[i]), static_cast<float>(static_cast<S>(dxf.data()[i]))) << i;
+          ASSERT_EQ(static_cast<float>(dr.data()[i]), static_cast<float>(static_cast<S>(drf.data()[i]))) << i;
+          // The residual gradient joins in float: one rounding, not two.
+          ASSERT_EQ(static_cast<float>(dxa.data()[i]), static_cast<float>(static_cast<S>(dxf.data()[i] + dhw[i]))) << i;
+          ASSERT_EQ(static_cast<float>(dra.data()[i]), static_cast<float>(static_cast<S>(drf.data()[i] + dhw[i]))) << i;
+        }
+        // Parameter gradients: the same sums, flushed to double more often
+        // when a block of 64 rows does not fit the staging buffers.
+        const double scale = double(rows) + 4;
+        for (Index j = 0; j < n; ++j) {
+          EXPECT_NEAR(dw(j), dwf(j), 4e-6 * scale) << j;
+          EXPECT_NEAR(db(j), dbf(j), 4e-6 * scale) << j;
+          EXPECT_NEAR(rw(j), rwf(j), 4e-6 * scale) << j;
+        }
+        if (64 * n <= 4 * 4096) {
+          EXPECT_TRUE(bit_equal(dw.data(), dwf.data(), static_cast<std::size_t>(n)));
+          EXPECT_TRUE(bit_equal(rw.data(), rwf.data(), static_cast<std::size_t>(n)));
+        }
+      }
+    }
+  }
+}
+
+TEST(Mixed, StagedBFloat16RowsEqualTheWholeTensorPath) { check_staged_equals_whole<Eigen::bfloat16>(); }
+TEST(Mixed, StagedHalfRowsEqualTheWholeTensorPath) { check_staged_equals_whole<Eigen::half>(); }
+
+TEST(Mixed, ColMajorHalfIsTheFloatPathRoundedOnce) {
+  const Index rows = 13, n = 40;
+  const std::size_t N = static_cast<std::size_t>(rows * n);
+  const auto xs = to16<Eigen::half>(randn<float>(N, 31, -2.0, 3.0));
+  const auto dys = to16<Eigen::half>(randn<float>(N, 32));
+  const auto dhs = to16<Eigen::half>(randn<float>(N, 33));
+  const auto xw = to32(xs), dyw = to32(dys), dhw = to32(dhs);
+  Eigen::TensorMap<const Eigen::Tensor<Eigen::half, 2>> x(xs.data(), rows, n), dy(dys.data(), rows, n), dh(dhs.data(), rows, n);
+  Eigen::TensorMap<const Eigen::Tensor<float, 2>> xf(xw.data(), rows, n), dyf(dyw.data(), rows, n);
+  normcore::LayerNorm<float> ln(normcore::LayerNormOptions({n}));
+  ln.weight().setRandom();
+  Eigen::Tensor<Eigen::half, 2> y = ln(x), dx(rows, n);
+  Eigen::Tensor<float, 2> yf = ln(xf), dxf(rows, n);
+  ln.backward_add(x, dy, &dh, &dx, nullptr, nullptr);
+  ln.backward(xf, dyf, &dxf, nullptr, nullptr);
+  for (std::size_t i = 0; i < N; ++i) {
+    ASSERT_EQ(static_cast<float>(y.data()[i]), static_cast<float>(static_cast<Eigen::half>(yf.data()[i])));
+    ASSERT_EQ(static_cast<float>(dx.data()[i]), static_cast<float>(static_cast<Eigen::half>(dxf.data()[i] + dhw[i])));
+  }
+}
+
+// ------------------------------------------------------ 16-bit parameters
+
+// A LayerNorm<bfloat16> is a float layer whose weights are the bf16 values:
+// same outputs, statistics in float, parameter gradients rounded once to bf16.
+TEST(Mixed, SixteenBitLayersAreFloatLayersWithRoundedWeights) {
+  using BF = Eigen::bfloat16;
+  const Index rows = 33, n = 80;
+  const std::size_t N = static_cast<std::size_t>(rows * n);
+  const auto xs = to16<BF>(randn<float>(N, 41, 1.0, 2.0));
+  const auto dys = to16<BF>(randn<float>(N, 42));
+  Eigen::TensorMap<const Eigen::Tensor<BF, 2, Eigen::RowMajor>> x(xs.data(), rows, n), dy(dys.data(), rows, n);
+  normcore::LayerNorm<BF> l16(normcore::LayerNormOptions({n}));
+  normcore::LayerNorm<float> l32(normcore::LayerNormOptions({n}));
+  static_assert(std::is_same<normcore::LayerNorm<BF>::Compute, float>::value, "16-bit layers compute in float");
+  const auto w = randn<float>(static_cast<std::size_t>(n), 43, 1.0, 0.3);
+  const auto b = randn<float>(static_cast<std::size_t>(n), 44);
+  for (Index j = 0; j < n; ++j) {
+    l16.weight()(j) = static_cast<BF>(w[static_cast<std::size_t>(j)]);
+    l16.bias()(j) = static_cast<BF>(b[static_cast<std::size_t>(j)]);
+    l32.weight()(j) = static_cast<float>(l16.weight()(j));
+    l32.bias()(j) = static_cast<float>(l16.bias()(j));
+  }
+  normcore::NormStats<float> s16, s32;
+  Eigen::Tensor<BF, 2, Eigen::RowMajor> y16(rows, n), y32(rows, n);
+  l16.forward(x, y16, s16);
+  l32.forward(x, y32, s32);
+  for (std::size_t i = 0; i < N; ++i) ASSERT_EQ(static_cast<float>(y16.data()[i]), static_cast<float>(y32.data()[i]));
+  EXPECT_TRUE(bit_equal(s16.rstd.data(), s32.rstd.data(), static_cast<std::size_t>(rows)));
+  // Float tensors through the bf16 layer too.
+  const auto xw = to32(xs);
+  Eigen::TensorMap<const Eigen::Tensor<float, 2, Eigen::RowMajor>> xf(xw.data(), rows, n);
+  Eigen::Tensor<float, 2, Eigen::RowMajor> f16 = l16(xf), f32 = l32(xf);
+  EXPECT_TRUE(bit_equal(f16.data(), f32.data(), N));
+  // Allocating backward: dx in the input's type, dweight/dbias in bf16.
+  const auto g16 = l16.backward(x, dy, &s16);
+  const auto g32 = l32.backward(x, dy, &s32);
+  static_assert(std::is_same<decltype(g16.dx)::Scalar, BF>::value, "dx in the input's type");
+  static_assert(std::is_same<decltype(g16.dweight)::Scalar, BF>::value, "dweight in the layer's type");
+  static_assert(std::is_same<decltype(g32.dweight)::Scalar, float>::value, "dweight in the layer's type");
+  for (std::size_t i = 0; i < N; ++i) ASSERT_EQ(static_cast<float>(g16.dx.data()[i]), static_cast<float>(g32.dx.data()[i]));
+  for (Index j = 0; j < n; ++j) {
+    ASSERT_EQ(static_cast<float>(g16.dweight(j)), static_cast<float>(static_cast<BF>(g32.dweight(j))));
+    ASSERT_EQ(static_cast<float>(g16.dbias(j)), static_cast<float>(static_cast<BF>(g32.dbias(j))));
+  }
+  // RMSNorm<half> and BatchNorm<bfloat16> the same way.
+  normcore::RMSNorm<Eigen::half> r16(normcore::RMSNormOptions({n}));
+  normcore::RMSNorm<float> r32(normcore::RMSNormOptions({n}));
+  EXPECT_EQ(r16.eps(), r32.eps());  // float's epsilon, as PyTorch's opmath type
+  for (Index j = 0; j < n; ++j) {
+    r16.weight()(j) = static_cast<Eigen::half>(w[static_cast<std::size_t>(j)]);
+    r32.weight()(j) = static_cast<float>(r16.weight()(j));
+  }
+  const auto hs = to16<Eigen::half>(xw);
+  Eigen::TensorMap<const Eigen::Tensor<Eigen::half, 2, Eigen::RowMajor>> xh(hs.data(), rows, n);
+  Eigen::Tensor<Eigen::half, 2, Eigen::RowMajor> z16 = r16(xh), z32 = r32(xh);
+  for (std::size_t i = 0; i < N; ++i) ASSERT_EQ(static_cast<float>(z16.data()[i]), static_cast<float>(z32.data()[i]));
+  Eigen::Tensor<Eigen::half, 1> rw16;
+  Eigen::Tensor<float, 1> rw32;
+  r16.backward(xh, xh, nullptr, &rw16);
+  r32.backward(xh, xh, nullptr, &rw32);
+  for (Index j = 0; j < n; ++j)
+    ASSERT_EQ(static_cast<float>(rw16(j)), static_cast<float>(static_cast<Eigen::half>(rw32(j))));
+  const Index C = 8;
+  normcore::BatchNorm<BF> b16{normcore::BatchNormOptions(C)};
+  normcore::BatchNorm<float> b32{normcore::BatchNormOptions(C)};
+  for (Index c = 0; c < C; ++c) {
+    b16.weight()(c) = static_cast<BF>(w[static_cast<std::size_t>(c)]);
+    b32.weight()(c) = static_cast<float>(b16.weight()(c));
+  }
+  Eigen::TensorMap<const Eigen::Tensor<BF, 3, Eigen::RowMajor>> xb(xs.data(), 10, C, 33);
+  Eigen::Tensor<BF, 3, Eigen::RowMajor> yb16 = b16(xb), yb32 = b32(xb);
+  for (Index i = 0; i < yb16.size(); ++i) ASSERT_EQ(static_cast<float>(yb16.data()[i]), static_cast<float>(yb32.data()[i]));
+  static_assert(std::is_same<std::remove_reference_t<decltype(b16.running_var())>::Scalar, float>::value,
+                "running statistics stay in float");
+  EXPECT_TRUE(bit_equal(b16.running_var().data(), b32.running_var().data(), static_cast<std::size_t>(C)));
+  const auto gb16 = b16.backward(xb, xb);
+  const auto gb32 = b32.backward(xb, xb);
+  for (Index c = 0; c < C; ++c)
+    ASSERT_EQ(static_cast<float>(gb16.dweight(c)), static_cast<float>(static_cast<BF>(gb32.dweight(c))));
+}
+
+// BatchNorm with 16-bit storage against the double reference rounded once,
+// standard-normal and large-mean channels.
+TEST(Mixed, BatchNormAgreesWithTheRoundedReference) {
+  const Index N = 16, C = 6, HW = 64;
+  for (double mean : {0.0, 30.0}) {
+    const auto xs = to16<Eigen::bfloat16>(randn<float>(static_cast<std::size_t>(N * C * HW), 51, mean, 1.0));
+    const auto xw = to32(xs);
+    Eigen::TensorMap<const Eigen::Tensor<Eigen::bfloat16, 3, Eigen::RowMajor>> x(xs.data(), N, C, HW);
+    normcore::BatchNorm<float> bn{normcore::BatchNormOptions(C)};
+    Eigen::Tensor<Eigen::bfloat16, 3, Eigen::RowMajor> y = bn(x);
+    const auto st = normcore::reference::channel_stats(xw.data(), N, C, HW);
+    const auto ref = normcore::reference::batch_norm_forward(xw.data(), N, C, HW, st.mean, st.var,
+                                                             (const float*)nullptr, (const float*)nullptr, 1e-5);
+    const auto a = agreement(y.data(), ref);
+    std::printf("  bfloat16 mean %g: BatchNorm %.4f%% equal to the rounded reference\n", mean, 100 * a.equal_share);
+    EXPECT_GE(a.equal_share, 0.999);
+    EXPECT_LE(a.worst_ulps, 1.0);
+  }
+}
+
+TEST(Fused, ThreadsGiveTheSerialResult) {
+  const Index rows = 300, n = 256;
+  const std::size_t N = static_cast<std::size_t>(rows * n);
+  const auto xs = to16<Eigen::bfloat16>(randn<float>(N, 61));
+  const auto rs = to16<Eigen::bfloat16>(randn<float>(N, 62, 0.5, 3.0));
+  Eigen::TensorMap<const Eigen::Tensor<Eigen::bfloat16, 2, Eigen::RowMajor>> x(xs.data(), rows, n), r(rs.data(), rows, n);
+  normcore::LayerNorm<float> ln(normcore::LayerNormOptions({n}));
+  Eigen::ThreadPool pool(3);
+  Eigen::ThreadPoolDevice dev(&pool, 3);
+  Eigen::Tensor<Eigen::bfloat16, 2, Eigen::RowMajor> h1(rows, n), y1(rows, n), h3(rows, n), y3(rows, n);
+  normcore::NormStats<float> s1, s3;
+  ln.forward_add(x, r, h1, y1, &s1);
+  ln.forward_add(dev, x, r, h3, y3, &s3);
+  EXPECT_TRUE(bit_equal(h1.data(), h3.data(), N));
+  EXPECT_TRUE(bit_equal(y1.data(), y3.data(), N));
+  EXPECT_TRUE(bit_equal(s1.mean.data(), s3.mean.data(), static_cast<std::size_t>(rows)));
+  Eigen::Tensor<Eigen::bfloat16, 2, Eigen::RowMajor> d1(rows, n), d3(rows, n);
+  Eigen::Tensor<float, 1> w1, w3, b1, b3;
+  ln.backward_add(h1, y1, &x, &d1, &w1, &b1, &s1);
+  ln.backward_add(dev, h1, y1, &x, &d3, &w3, &b3, &s1);
+  EXPECT_TRUE(bit_equal(d1.data(), d3.data(), N));
+  EXPECT_TRUE(bit_equal(w1.data(), w3.data(), static_cast<std::size_t>(n)));
+  EXPECT_TRUE(bit_equal(b1.data(), b3.data(), static_cast<std::size_t>(n)));
+}
+
+TEST(Fused, BackwardAddNeedsDx) {
+  normcore::LayerNorm<float> ln(normcore::LayerNormOptions({4}));
+  Eigen::Tensor<float, 2, Eigen::RowMajor> h(2, 4), dy(2, 4);
+  h.setRandom();
+  dy.setRandom();
+  Eigen::Tensor<float, 2, Eigen::RowMajor>* none = nullptr;
+  EXPECT_THROW(ln.backward_add(h, dy, &dy, none, nullptr, nullptr), std::invalid_argument);
+  Eigen::Tensor<float, 2, Eigen::RowMajor> bad(2, 5), dx(2, 4);
+  EXPECT_THROW(ln.backward_add(h, dy, &bad, &dx, nullptr, nullptr), std::invalid_argument);
 }
 
 }  // namespace

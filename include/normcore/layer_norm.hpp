@@ -399,7 +399,9 @@ class LayerNorm {
         const auto fv = detail::split_view<T>(kWho, "input", xf, options_.normalized_shape());
         backward_impl(device, fv, dyf.data(), dxp ? dxf.data() : nullptr, dh ? dhf.data() : nullptr,
                       dweight, dbias, saved);
-        if (dxp) detail::narrow(dxf, *dx);
+        if constexpr (!std::is_null_pointer<DX>::value) {
+          if (dxp) detail::narrow(dxf, *dx);
+        }
         return;
       }
     }
@@ -767,8 +769,8 @@ class LayerNorm {
 
   LayerNormOptions options_;
   Index size_;
-  Eigen::Tensor<T, 1> weight_;
-  Eigen::Tensor<T, 1> bias_;
+  Eigen::Tensor<P, 1> weight_;
+  Eigen::Tensor<P, 1> bias_;
 };
 
 }  // namespace normcore

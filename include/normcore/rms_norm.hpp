@@ -441,7 +441,9 @@ class RMSNorm {
         const auto fv = detail::split_view<T>(kWho, "input", xf, options_.normalized_shape());
         backward_impl(device, fv, dyf.data(), dxp ? dxf.data() : nullptr, dh ? dhf.data() : nullptr,
                       dweight, saved);
-        if (dxp) detail::narrow(dxf, *dx);
+        if constexpr (!std::is_null_pointer<DX>::value) {
+          if (dxp) detail::narrow(dxf, *dx);
+        }
         return;
       }
     }
