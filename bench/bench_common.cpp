@@ -15,16 +15,21 @@ void set_threads(int n) { g_threads = n < 1 ? 1 : n; }
 std::string Case::op_name() const {
   std::string base;
   switch (op) {
-    case Op::LN_fwd: return "LN_fwd";
-    case Op::LN_fwd_stats: return "LN_fwd_stats";
-    case Op::LN_bwd: return "LN_bwd";
-    case Op::RMS_fwd: return "RMS_fwd";
-    case Op::RMS_bwd: return "RMS_bwd";
+    case Op::LN_fwd: base = "LN_fwd"; break;
+    case Op::LN_fwd_stats: base = "LN_fwd_stats"; break;
+    case Op::LN_bwd: base = "LN_bwd"; break;
+    case Op::RMS_fwd: base = "RMS_fwd"; break;
+    case Op::RMS_bwd: base = "RMS_bwd"; break;
+    case Op::ADD_LN_fwd: base = "ADD_LN_fwd"; break;
+    case Op::ADD_RMS_fwd: base = "ADD_RMS_fwd"; break;
     case Op::BN_train: base = "BN_train"; break;
     case Op::BN_eval: base = "BN_eval"; break;
     case Op::BN_bwd: base = "BN_bwd"; break;
   }
-  return base + (layout == Layout::NHWC ? "_nhwc" : "_nchw");
+  if (is_batch_norm(op)) base += layout == Layout::NHWC ? "_nhwc" : "_nchw";
+  if (prec == Prec::BF16) base += "_bf16";
+  if (prec == Prec::F16) base += "_f16";
+  return base;
 }
 
 std::string Case::shape_name() const {

@@ -25,12 +25,19 @@ enum class Op {
   BN_train,      // BatchNorm forward in training mode (batch statistics)
   BN_eval,       // BatchNorm forward in eval mode (running statistics)
   BN_bwd,        // BatchNorm backward: dx, dweight, dbias
+  ADD_LN_fwd,    // h = x + residual, y = LayerNorm(h) (fused residual norm)
+  ADD_RMS_fwd,   // h = x + residual, y = RMSNorm(h)
 };
+
+/// Storage type of a case's activations (and of the layer's parameters):
+/// arithmetic is in float whatever the storage.
+enum class Prec { F32, BF16, F16 };
 
 enum class Layout { Rows, NCHW, NHWC };
 
 inline bool is_backward(Op op) { return op == Op::LN_bwd || op == Op::RMS_bwd || op == Op::BN_bwd; }
 inline bool is_batch_norm(Op op) { return op == Op::BN_train || op == Op::BN_eval || op == Op::BN_bwd; }
+inline bool is_add(Op op) { return op == Op::ADD_LN_fwd || op == Op::ADD_RMS_fwd; }
 
 struct Case {
   Op op;
@@ -38,6 +45,7 @@ struct Case {
   // Row norms: {rows, hidden}. BatchNorm: {N, C, H, W} (H = W = 1 for the
   // (N, C) shape), logical order whatever the memory layout.
   std::vector<std::int64_t> dims;
+  Prec prec = Prec::F32;
 
   std::int64_t elements() const {
     std::int64_t n = 1;
@@ -50,9 +58,15 @@ struct Case {
   std::int64_t C() const { return dims[1]; }
   std::int64_t HW() const { return dims[2] * dims[3]; }
   bool is_2d_bn() const { return dims[2] == 1 && dims[3] == 1; }
+  /// Bytes per stored value.
+  double elem_bytes() const { return prec == Prec::F32 ? 4.0 : 2.0; }
   /// Minimum memory traffic in bytes: forward reads x and writes y, backward
-  /// reads x and dy and writes dx. Parameters and statistics are not counted.
-  double bytes() const { return (is_backward(op) ? 3.0 : 2.0) * 4.0 * static_cast<double>(elements()); }
+  /// reads x and dy and writes dx, the fused residual norms read x and the
+  /// residual and write h and y. Parameters and statistics are not counted.
+  double bytes() const {
+    const double tensors = is_add(op) ? 4.0 : is_backward(op) ? 3.0 : 2.0;
+    return tensors * elem_bytes() * static_cast<double>(elements());
+  }
   std::string op_name() const;     // e.g. "LN_fwd", "BN_train_nhwc"
   std::string shape_name() const;  // e.g. "512x768", "32x64x56x56", "4096x512"
 };
@@ -65,6 +79,9 @@ constexpr double kBnMomentum = 0.1;
 /// Inputs of a case, shared (read-only) by every implementation. Data are in
 /// memory order of the case's layout: row-major rows x hidden; NCHW or NHWC
 /// contiguous for BatchNorm.
+/// For 16-bit cases every value is already rounded to the storage type (so
+/// that each implementation converts exactly); the residual of the fused
+/// ops is dy.
 struct Inputs {
   const float* x = nullptr;
   const float* dy = nullptr;
@@ -82,6 +99,7 @@ struct Result {
   std::vector<float> dbias;
   std::vector<float> mean;  // saved statistics when the op saves them
   std::vector<float> rstd;  // (rstd, or invstd for BatchNorm)
+  std::vector<float> h;     // the new residual stream of the fused ops
 };
 
 class Runner {

@@ -171,7 +171,9 @@ std::string dnnl_info() {
 
 void add_dnnl_impls(std::vector<Impl>& out) {
   out.push_back({"onednn",
-                 [](const Case& c) { return c.op != Op::RMS_fwd && c.op != Op::RMS_bwd; },
+                 [](const Case& c) {
+                   return c.op != Op::RMS_fwd && c.op != Op::RMS_bwd && !is_add(c.op) && c.prec == Prec::F32;
+                 },
                  [](const Case& c, const Inputs& in) -> RunnerPtr {
                    if (c.op == Op::RMS_fwd || c.op == Op::RMS_bwd) return nullptr;
                    return std::make_unique<DnnlRunner>(c, in);

@@ -254,6 +254,128 @@ class NcBatchNorm : public Runner {
 };
 #endif
 
+// ------------------------------------------- 16-bit storage and fused ops
+
+float widen(float v) { return v; }
+float widen(Eigen::bfloat16 v) { return static_cast<float>(v); }
+float widen(Eigen::half v) { return static_cast<float>(v); }
+
+// Row cases in storage type S (float only for the fused ops): a layer whose
+// parameters are stored in S too (LayerNorm<S>, RMSNorm<S>), as
+// module.to(dtype) in PyTorch. `fused` false: the unfused pair, an Eigen
+// expression h = x + residual on the same device, then the layer.
+template <typename S>
+class NcRows16 : public Runner {
+ public:
+  NcRows16(const Case& c, const Inputs& in, bool fused)
+      : c_(c), fused_(fused), ln_(normcore::LayerNormOptions({c.hidden()}).eps(kLnEps)),
+        rn_(normcore::RMSNormOptions({c.hidden()}).eps(kRmsEps)) {
+    const std::size_t N = static_cast<std::size_t>(c.elements());
+    x_.resize(N);
+    dy_.resize(N);
+    out_.resize(N);
+    h_.resize(is_add(c.op) ? N : 0);
+    for (std::size_t i = 0; i < N; ++i) {
+      x_[i] = static_cast<S>(in.x[i]);
+      dy_[i] = static_cast<S>(in.dy[i]);
+    }
+    for (Idx j = 0; j < c.hidden(); ++j) {
+      ln_.weight()(j) = static_cast<S>(in.gamma[j]);
+      ln_.bias()(j) = static_cast<S>(in.beta[j]);
+      rn_.weight()(j) = static_cast<S>(in.gamma[j]);
+    }
+    if (c.op == Op::LN_bwd) ln_.forward(X(), Out(), stats_);
+    if (c.op == Op::RMS_bwd) rn_.forward(X(), Out(), stats_);
+  }
+  void run() override {
+    switch (c_.op) {
+      case Op::LN_fwd: on_device([&](const auto& d) { ln_.forward(d, X(), Out()); }); break;
+      case Op::RMS_fwd: on_device([&](const auto& d) { rn_.forward(d, X(), Out()); }); break;
+      case Op::LN_bwd: {
+        auto o = Out();
+        on_device([&](const auto& d) { ln_.backward(d, X(), DY(), &o, &dw_, &db_, &stats_); });
+        break;
+      }
+      case Op::RMS_bwd: {
+        auto o = Out();
+        on_device([&](const auto& d) { rn_.backward(d, X(), DY(), &o, &dw_, &stats_); });
+        break;
+      }
+      default: {  // ADD_LN_fwd, ADD_RMS_fwd
+        M h(h_.data(), c_.rows(), c_.hidden());
+        on_device([&](const auto& d) {
+          if (fused_) {
+            if (c_.op == Op::ADD_LN_fwd) {
+              ln_.forward_add(d, X(), DY(), h, Out());
+            } else {
+              rn_.forward_add(d, X(), DY(), h, Out());
+            }
+            return;
+          }
+          add_pass(d, h_.data());
+          if (c_.op == Op::ADD_LN_fwd) {
+            ln_.forward(d, h, Out());
+          } else {
+            rn_.forward(d, h, Out());
+          }
+        });
+      }
+    }
+  }
+  void collect(Result& r) override {
+    r.out = floats(out_);
+    r.h = floats(h_);
+    if (c_.op == Op::LN_bwd || c_.op == Op::RMS_bwd) r.dweight = floats(dw_);
+    if (c_.op == Op::LN_bwd) r.dbias = floats(db_);
+  }
+
+ private:
+  using CM = Eigen::TensorMap<const Eigen::Tensor<S, 2, Eigen::RowMajor>>;
+  using M = Eigen::TensorMap<Eigen::Tensor<S, 2, Eigen::RowMajor>>;
+  CM X() const { return CM(x_.data(), c_.rows(), c_.hidden()); }
+  CM DY() const { return CM(dy_.data(), c_.rows(), c_.hidden()); }
+  M Out() { return M(out_.data(), c_.rows(), c_.hidden()); }
+  // The unfused add: one vectorized pass (normcore's own add, so that half
+  // gets F16C conversions rather than Eigen's per-lane software ones), split
+  // in equal contiguous chunks across the device's threads.
+  template <typename D>
+  void add_pass(const D& d, S* h) {
+    const Idx total = c_.elements();
+    auto chunk = [&](Idx b, Idx e) { normcore::detail::add_rows(x_.data() + b, dy_.data() + b, h + b, nullptr, e - b); };
+    if constexpr (std::is_same<D, normcore::Serial>::value) {
+      chunk(0, total);
+    } else {
+      const Idx t = d.numThreads(), per = (total + t - 1) / t;
+      Eigen::Barrier done(static_cast<unsigned>(t));
+      for (Idx i = 0; i < t; ++i) {
+        d.enqueue_with_barrier(&done, [&, i] { chunk(std::min(total, i * per), std::min(total, (i + 1) * per)); });
+      }
+      done.Wait();
+    }
+  }
+  template <typename V>
+  static std::vector<float> floats(const V& v) {
+    std::vector<float> f(static_cast<std::size_t>(v.size()));
+    for (std::size_t i = 0; i < f.size(); ++i) f[i] = widen(v.data()[i]);
+    return f;
+  }
+  Case c_;
+  bool fused_;
+  normcore::LayerNorm<S> ln_;
+  normcore::RMSNorm<S> rn_;
+  normcore::NormStats<float> stats_;
+  Eigen::Tensor<S, 1> dw_, db_;
+  std::vector<S> x_, dy_, out_, h_;
+};
+
+RunnerPtr make_rows16(const Case& c, const Inputs& in, bool fused) {
+  switch (c.prec) {
+    case Prec::BF16: return std::make_unique<NcRows16<Eigen::bfloat16>>(c, in, fused);
+    case Prec::F16: return std::make_unique<NcRows16<Eigen::half>>(c, in, fused);
+    default: return std::make_unique<NcRows16<float>>(c, in, fused);
+  }
+}
+
 // ----------------------------------------------------------- reference path
 
 class RefRunner : public Runner {
@@ -261,7 +383,22 @@ class RefRunner : public Runner {
   RefRunner(const Case& c, const Inputs& in) : c_(c), in_(in) {}
   void run() override {
     const std::ptrdiff_t rows = c_.rows(), n = c_.hidden();
+    if (is_add(c_.op)) {  // h = x + residual, rounded to the storage type
+      h_.resize(static_cast<std::size_t>(rows * n));
+      for (std::size_t i = 0; i < h_.size(); ++i) {
+        const float v = in_.x[i] + in_.dy[i];
+        h_[i] = c_.prec == Prec::BF16 ? widen(Eigen::bfloat16(v)) : c_.prec == Prec::F16 ? widen(Eigen::half(v)) : v;
+      }
+    }
     switch (c_.op) {
+      case Op::ADD_LN_fwd:
+        y_ = normcore::reference::layer_norm_forward(h_.data(), rows, n, in_.gamma, in_.beta, kLnEps);
+        break;
+#if NBENCH_HAVE_RMS_REF
+      case Op::ADD_RMS_fwd:
+        y_ = normcore::reference::rms_norm_forward(h_.data(), rows, n, in_.gamma, kRmsEps);
+        break;
+#endif
       case Op::LN_fwd:
         y_ = normcore::reference::layer_norm_forward(in_.x, rows, n, in_.gamma, in_.beta, kLnEps);
         break;
@@ -290,6 +427,7 @@ class RefRunner : public Runner {
       if (c_.op != Op::RMS_bwd) r.dbias = to_float(g_.dbias);
     } else {
       r.out = to_float(y_);
+      r.h = h_;
       if (c_.op == Op::LN_fwd_stats || c_.op == Op::BN_train) {
         r.mean = to_float(stats_.mean);
         r.rstd = to_float(stats_.rstd);
@@ -302,6 +440,7 @@ class RefRunner : public Runner {
   Case c_;
   Inputs in_;
   std::vector<double> y_;
+  std::vector<float> h_;
   normcore::reference::RowStats stats_;
   normcore::reference::Grads g_;
 };
@@ -340,7 +479,7 @@ void RefRunner::run_bn() {
 }
 
 bool ref_supports(const Case& c) {
-  if (is_rms(c.op)) return NBENCH_HAVE_RMS_REF;
+  if (is_rms(c.op) || c.op == Op::ADD_RMS_fwd) return NBENCH_HAVE_RMS_REF;
   if (is_batch_norm(c.op)) return NBENCH_HAVE_BN_REF;
   return true;
 }
@@ -543,6 +682,7 @@ void add_normcore_impls(std::vector<Impl>& out) {
                    return true;
                  },
                  [](const Case& c, const Inputs& in) -> RunnerPtr {
+                   if (c.prec != Prec::F32 || is_add(c.op)) return make_rows16(c, in, true);
 #if NBENCH_HAVE_RMS
                    if (is_rms(c.op)) return std::make_unique<NcRmsNorm>(c, in);
 #endif
@@ -557,7 +697,9 @@ void add_normcore_impls(std::vector<Impl>& out) {
                    if (!ref_supports(c)) return nullptr;
                    return std::make_unique<RefRunner>(c, in);
                  }});
-  out.push_back({"eigen", [](const Case&) { return true; },
+  out.push_back({"normcore_unfused", [](const Case& c) { return is_add(c.op); },
+                 [](const Case& c, const Inputs& in) -> RunnerPtr { return make_rows16(c, in, false); }});
+  out.push_back({"eigen", [](const Case& c) { return c.prec == Prec::F32 && !is_add(c.op); },
                  [](const Case& c, const Inputs& in) -> RunnerPtr {
                    return std::make_unique<EigenRunner>(c, in);
                  }});

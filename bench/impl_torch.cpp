@@ -139,6 +139,89 @@ class TorchBatchNorm : public Runner {
   at::Tensor x_, dy_, w_, b_, rm_, rv_, y_, mean_, invstd_, dw_, db_;
 };
 
+// Rows in bfloat16 / half (and the fused ops in float too), with the
+// parameters in the same dtype, as module.to(dtype) runs them: LayerNorm is
+// ATen's fused kernel on the 16-bit tensors; RMSNorm is written as
+// Hugging Face's LlamaRMSNorm writes it (statistics in float, then back to
+// the dtype); the residual add is at::add.
+class TorchRows16 : public Runner {
+ public:
+  TorchRows16(const Case& c, const Inputs& in) : c_(c) {
+    const std::int64_t rows = c.rows(), n = c.hidden();
+    dt_ = c.prec == Prec::BF16 ? at::kBFloat16 : c.prec == Prec::F16 ? at::kHalf : at::kFloat;
+    x_ = wrap(in.x, {rows, n}).to(dt_);
+    dy_ = wrap(in.dy, {rows, n}).to(dt_);
+    w_ = wrap(in.gamma, {n}).to(dt_);
+    b_ = wrap(in.beta, {n}).to(dt_);
+    if (c.op == Op::LN_bwd) {
+      std::tie(y_, mean_, rstd_) = at::native_layer_norm(x_, {n}, w_, b_, kLnEps);
+    } else if (c.op == Op::RMS_bwd) {
+      rstd_ = at::rsqrt(x_.to(at::kFloat).pow(2).mean({-1}, true) + kRmsEps);
+    }
+  }
+  void run() override {
+    const std::int64_t n = c_.hidden();
+    switch (c_.op) {
+      case Op::LN_fwd: y_ = std::get<0>(at::native_layer_norm(x_, {n}, w_, b_, kLnEps)); break;
+      case Op::LN_bwd:
+        std::tie(y_, dw_, db_) =
+            at::native_layer_norm_backward(dy_, x_, {n}, mean_, rstd_, w_, b_, {true, true, true});
+        break;
+      case Op::RMS_fwd: y_ = rms(x_); break;
+      case Op::RMS_bwd: {
+        const at::Tensor xf = x_.to(at::kFloat), dyf = dy_.to(at::kFloat);
+        const at::Tensor xhat = xf * rstd_;
+        const at::Tensor g = dyf * w_.to(at::kFloat);
+        y_ = (rstd_ * (g - xhat * (g * xhat).mean({-1}, true))).to(dt_);
+        dw_ = (dyf * xhat).sum(0).to(dt_);
+        break;
+      }
+      case Op::ADD_LN_fwd:
+        h_ = at::add(x_, dy_);
+        y_ = std::get<0>(at::native_layer_norm(h_, {n}, w_, b_, kLnEps));
+        break;
+      default:  // ADD_RMS_fwd
+        h_ = at::add(x_, dy_);
+        y_ = rms(h_);
+    }
+  }
+  void collect(Result& r) override {
+    r.out = to_vector(y_.to(at::kFloat));
+    if (h_.defined()) r.h = to_vector(h_.to(at::kFloat));
+    if (c_.op == Op::LN_bwd || c_.op == Op::RMS_bwd) r.dweight = to_vector(dw_.to(at::kFloat));
+    if (c_.op == Op::LN_bwd) r.dbias = to_vector(db_.to(at::kFloat));
+  }
+
+  /// Whether this libtorch has the kernels for the case (half LayerNorm on
+  /// the CPU, for one, is missing from some releases).
+  static bool available(const Case& c) {
+    try {
+      Case t = c;
+      t.dims = {2, 8};
+      std::vector<float> v(16, 0.5f), p(8, 1.0f);
+      for (std::size_t i = 0; i < v.size(); ++i) v[i] += 0.25f * static_cast<float>(i % 5);
+      Inputs in{v.data(), v.data(), p.data(), p.data(), p.data(), p.data()};
+      TorchRows16 r(t, in);
+      r.run();
+      Result res;
+      r.collect(res);
+      return true;
+    } catch (const std::exception&) {
+      return false;
+    }
+  }
+
+ private:
+  at::Tensor rms(const at::Tensor& x) const {
+    const at::Tensor xf = x.to(at::kFloat);
+    const at::Tensor var = xf.pow(2).mean({-1}, true);
+    return w_ * (xf * at::rsqrt(var + kRmsEps)).to(dt_);
+  }
+  Case c_;
+  at::ScalarType dt_;
+  at::Tensor x_, dy_, w_, b_, y_, h_, mean_, rstd_, dw_, db_;
+};
+
 }  // namespace
 
 std::string torch_info() {
@@ -158,8 +241,13 @@ std::string torch_info() {
 
 void add_torch_impls(std::vector<Impl>& out) {
   at::set_num_threads(threads());
-  out.push_back({"torch", [](const Case&) { return true; },
+  out.push_back({"torch",
+                 [](const Case& c) {
+                   if (c.prec == Prec::F32 && !is_add(c.op)) return true;
+                   return TorchRows16::available(c);
+                 },
                  [](const Case& c, const Inputs& in) -> RunnerPtr {
+                   if (c.prec != Prec::F32 || is_add(c.op)) return std::make_unique<TorchRows16>(c, in);
                    if (is_batch_norm(c.op)) return std::make_unique<TorchBatchNorm>(c, in);
                    return std::make_unique<TorchRows>(c, in);
                  }});

@@ -52,12 +52,24 @@ const std::vector<std::vector<std::int64_t>> kBnShapes = {
     {32, 64, 56, 56}, {256, 256, 14, 14}, {64, 512, 7, 7}, {4096, 512, 1, 1}};
 const Op kRowOps[] = {Op::LN_fwd, Op::LN_fwd_stats, Op::LN_bwd, Op::RMS_fwd, Op::RMS_bwd};
 const Op kBnOps[] = {Op::BN_train, Op::BN_eval, Op::BN_bwd};
+// Mixed precision and the fused residual norms: LLM-like rows.
+const std::vector<std::vector<std::int64_t>> kMixedShapes = {{8, 768}, {512, 768}, {4096, 1024}, {4096, 4096}};
+const Op kMixedOps[] = {Op::LN_fwd, Op::LN_bwd, Op::RMS_fwd, Op::RMS_bwd, Op::ADD_LN_fwd, Op::ADD_RMS_fwd};
 
 std::vector<Case> all_cases(bool skip_huge_rows) {
   std::vector<Case> cases;
   for (const auto& s : kRowShapes) {
     if (skip_huge_rows && s[0] * s[1] >= 4096 * 4096) continue;
     for (Op op : kRowOps) cases.push_back({op, Layout::Rows, s});
+  }
+  for (Prec p : {Prec::F32, Prec::BF16, Prec::F16}) {
+    for (const auto& s : kMixedShapes) {
+      if (skip_huge_rows && s[0] * s[1] >= 4096 * 4096) continue;
+      for (Op op : kMixedOps) {
+        if (p == Prec::F32 && !is_add(op)) continue;  // the float rows are above
+        cases.push_back({op, Layout::Rows, s, p});
+      }
+    }
   }
   for (Layout l : {Layout::NCHW, Layout::NHWC}) {
     for (const auto& s : kBnShapes) {
@@ -83,6 +95,7 @@ struct Store {
   bool valid = false;
   std::vector<std::int64_t> dims;
   Layout layout = Layout::Rows;
+  Prec prec = Prec::F32;
   std::vector<float> x, dy, gamma, beta, rmean, rvar;
   Inputs in;
   std::map<Op, Result> expected;  // reference results, computed on demand
@@ -96,10 +109,11 @@ Store& store() {
 
 const Inputs& inputs_for(const Case& c) {
   Store& s = store();
-  if (s.valid && s.dims == c.dims && s.layout == c.layout) return s.in;
+  if (s.valid && s.dims == c.dims && s.layout == c.layout && s.prec == c.prec) return s.in;
   s = Store();  // frees the previous shape's buffers first
   s.dims = c.dims;
   s.layout = c.layout;
+  s.prec = c.prec;
   const std::size_t n = static_cast<std::size_t>(c.elements());
   const std::size_t p = static_cast<std::size_t>(is_batch_norm(c.op) ? c.C() : c.hidden());
   s.x.resize(n);
@@ -117,6 +131,13 @@ const Inputs& inputs_for(const Case& c) {
     s.beta[i] = 0.5f * uniform(4, i);
     s.rmean[i] = 0.5f + 0.3f * uniform(5, i);
     s.rvar[i] = 1.3f + 0.5f * uniform(6, i);
+  }
+  if (c.prec != Prec::F32) {  // values representable in the storage type
+    for (auto* v : {&s.x, &s.dy, &s.gamma, &s.beta}) {
+      for (float& f : *v) {
+        f = c.prec == Prec::BF16 ? static_cast<float>(Eigen::bfloat16(f)) : static_cast<float>(Eigen::half(f));
+      }
+    }
   }
   s.in = Inputs{s.x.data(), s.dy.data(), s.gamma.data(), s.beta.data(), s.rmean.data(), s.rvar.data()};
   s.valid = true;
@@ -198,25 +219,40 @@ Check check(const Case& c, Runner& r) {
   if (c.op == Op::LN_fwd_stats || c.op == Op::BN_train) {
     k.stats = std::max(rel_err(got.mean, e->mean), rel_err(got.rstd, e->rstd));
   }
-  k.ok = k.out <= kTolOut && k.dw <= kTolParam && k.db <= kTolParam && k.stats <= kTolStats;
+  if (is_add(c.op)) k.stats = rel_err(got.h, e->h);  // the new residual
+  // 16-bit outputs are rounded to 8 (bfloat16) or 11 (half) significant
+  // bits: the tolerance grows with half an ulp of the largest outputs.
+  const double scale = c.prec == Prec::BF16 ? 300.0 : c.prec == Prec::F16 ? 40.0 : 1.0;
+  k.ok = k.out <= kTolOut * scale && k.dw <= kTolParam * scale && k.db <= kTolParam * scale &&
+         k.stats <= kTolStats * scale;
   return k;
+}
+
+// A peer whose 16-bit results miss the tolerance (libtorch 1.13's bfloat16
+// LayerNorm accumulates its weight gradients in bfloat16) is reported as
+// INACCURATE and still timed; normcore missing it is a failure.
+bool lenient(const Case& c, const std::string& impl) {
+  return c.prec != Prec::F32 && impl.rfind("normcore", 0) != 0;
 }
 
 int run_verify(bool all) {
   std::printf("%-16s %-14s %-10s %10s %10s %10s %10s  %s\n", "op", "shape", "impl", "err(out)",
               "err(dw)", "err(db)", "err(stats)", "status");
-  int bad = 0, ok = 0, unchecked = 0;
+  int bad = 0, ok = 0, unchecked = 0, inaccurate = 0;
   for (const Case& c : all_cases(!all)) {
     const Inputs& in = inputs_for(c);
     for (const Impl& impl : impls()) {
       if (impl.name == "memcpy" || impl.name == "reference" || !impl.supports(c)) continue;
       RunnerPtr r = impl.make(c, in);
       const Check k = check(c, *r);
-      const char* status = !k.checked ? "no-ref" : k.ok ? "ok" : "MISMATCH";
+      const bool soft = !k.ok && lenient(c, impl.name);
+      const char* status = !k.checked ? "no-ref" : k.ok ? "ok" : soft ? "INACCURATE" : "MISMATCH";
       if (!k.checked) {
         ++unchecked;
       } else if (k.ok) {
         ++ok;
+      } else if (soft) {
+        ++inaccurate;
       } else {
         ++bad;
       }
@@ -224,9 +260,9 @@ int run_verify(bool all) {
                   c.shape_name().c_str(), impl.name.c_str(), k.out, k.dw, k.db, k.stats, status);
     }
   }
-  std::printf("\nverify: %d ok, %d mismatched, %d without a reference (tolerance: max|err|/rms "
-              "<= %.0e)\n",
-              ok, bad, unchecked, kTolOut);
+  std::printf("\nverify: %d ok, %d mismatched, %d peers inaccurate in 16 bits, %d without a reference "
+              "(tolerance: max|err|/rms <= %.0e; x300 for bfloat16, x40 for half)\n",
+              ok, bad, inaccurate, unchecked, kTolOut);
   std::printf("%d passed, %d failed\n", ok, bad);
   return bad ? 1 : 0;
 }
@@ -241,6 +277,7 @@ struct Current {
 void bench_case(benchmark::State& st, Case c, std::string impl_name) {
   static Current cur;
   static std::set<std::string> verified;
+  static std::map<std::string, Check> inaccurate;
   const Impl* impl = find_impl(impl_name);
   const std::string key = c.op_name() + "/" + impl_name + "/" + c.shape_name();
   const Inputs& in = inputs_for(c);
@@ -252,7 +289,9 @@ void bench_case(benchmark::State& st, Case c, std::string impl_name) {
   Runner& r = *cur.runner;
   if (impl_name != "memcpy" && impl_name != "reference" && !verified.count(key)) {
     const Check k = check(c, r);
-    if (k.checked && !k.ok) {
+    if (k.checked && !k.ok && lenient(c, impl_name)) {
+      inaccurate[key] = k;  // timed, flagged in the report
+    } else if (k.checked && !k.ok) {
       char msg[200];
       std::snprintf(msg, sizeof msg, "output differs from the reference: out %.2e dw %.2e db %.2e stats %.2e",
                     k.out, k.dw, k.db, k.stats);
@@ -273,12 +312,21 @@ void bench_case(benchmark::State& st, Case c, std::string impl_name) {
   st.counters["ns_per_elem"] = ns / (elems * static_cast<double>(st.iterations()));
   st.counters["elements"] = elems;
   st.counters["traffic_bytes"] = c.bytes();
+  const auto bad = inaccurate.find(key);
+  if (bad != inaccurate.end()) {
+    st.counters["rel_err_out"] = bad->second.out;
+    st.counters["rel_err_dw"] = std::max(bad->second.dw, bad->second.db);
+  }
 }
 
 void register_all() {
   for (const Case& c : all_cases(false)) {
     for (const Impl& impl : impls()) {
       if (!impl.supports(c)) continue;
+      // Mixed-precision and fused cases: normcore against libtorch and the
+      // unfused pair (the slow baselines and the float memcpy add nothing).
+      const bool extra = c.prec != Prec::F32 || is_add(c.op);
+      if (extra && (impl.name == "reference" || impl.name == "eigen" || impl.name == "memcpy")) continue;
       const std::string name = c.op_name() + "/" + impl.name + "/" + c.shape_name();
       auto* b = benchmark::RegisterBenchmark(name.c_str(), bench_case, c, impl.name);
       b->UseRealTime()->Unit(benchmark::kMicrosecond);

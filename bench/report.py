@@ -29,6 +29,9 @@ OP_ORDER = [
     "LN_fwd", "LN_fwd_stats", "LN_bwd", "RMS_fwd", "RMS_bwd",
     "BN_train_nchw", "BN_eval_nchw", "BN_bwd_nchw",
     "BN_train_nhwc", "BN_eval_nhwc", "BN_bwd_nhwc",
+    "ADD_LN_fwd", "ADD_RMS_fwd",
+    "LN_fwd_bf16", "LN_bwd_bf16", "RMS_fwd_bf16", "RMS_bwd_bf16", "ADD_LN_fwd_bf16", "ADD_RMS_fwd_bf16",
+    "LN_fwd_f16", "LN_bwd_f16", "RMS_fwd_f16", "RMS_bwd_f16", "ADD_LN_fwd_f16", "ADD_RMS_fwd_f16",
 ]
 OP_TITLE = {
     "LN_fwd": "LayerNorm forward",
@@ -42,11 +45,22 @@ OP_TITLE = {
     "BN_train_nhwc": "BatchNorm forward, training, channels-last",
     "BN_eval_nhwc": "BatchNorm forward, eval, channels-last",
     "BN_bwd_nhwc": "BatchNorm backward, channels-last",
+    "ADD_LN_fwd": "fused h = x + residual, y = LayerNorm(h), float",
+    "ADD_RMS_fwd": "fused h = x + residual, y = RMSNorm(h), float",
 }
-IMPL_ORDER = ["normcore", "reference", "eigen", "torch", "onednn", "memcpy"]
-PEERS = ["reference", "eigen", "torch", "onednn"]
+for _p, _name in (("bf16", "bfloat16"), ("f16", "half")):
+    for _op in ("LN_fwd", "LN_bwd", "RMS_fwd", "RMS_bwd", "ADD_LN_fwd", "ADD_RMS_fwd"):
+        OP_TITLE[f"{_op}_{_p}"] = OP_TITLE.get(_op, OP_TITLE.get(_op)) + f", {_name} storage" \
+            if _op in OP_TITLE else _op
+OP_TITLE.update({k: v.replace(", float,", ",") for k, v in OP_TITLE.items() if k.startswith("ADD_") and "storage" in v})
+IMPL_ORDER = ["normcore", "normcore_unfused", "reference", "eigen", "torch", "onednn", "memcpy"]
+PEERS = ["normcore_unfused", "reference", "eigen", "torch", "onednn"]
+# Not peers for "normcore ÷ fastest peer": the reference path, and normcore's
+# own unfused pair (shown per op as its own ratio).
+NOT_PEERS = {"reference", "normcore_unfused"}
 COLORS = {"normcore": "#d62728", "reference": "#7f7f7f", "eigen": "#2ca02c",
-          "torch": "#ff7f0e", "onednn": "#1f77b4", "memcpy": "#000000"}
+          "torch": "#ff7f0e", "onednn": "#1f77b4", "memcpy": "#000000",
+          "normcore_unfused": "#e377c2"}
 
 
 def shape_key(shape):
@@ -86,12 +100,16 @@ def load(path):
             b = medians[key]
             gbps = b["bytes_per_second"] / 1e9
             nspe = b.get("ns_per_elem", float("nan"))
+            err = b.get("rel_err_out")
         else:
             rs = runs[key]
             gbps = statistics.median(r["bytes_per_second"] for r in rs) / 1e9
             nspe = statistics.median(r.get("ns_per_elem", float("nan")) for r in rs)
+            err = rs[0].get("rel_err_out") if rs else None
         n = len(runs.get(key, [])) or 1
         out[key] = {"gbps": gbps, "ns_per_elem": nspe, "repetitions": n}
+        if err is not None:
+            out[key]["rel_err"] = err
     threads = int(ctx.get("threads", "0") or 0)
     return threads, ctx, out
 
@@ -121,7 +139,7 @@ def fmt_gbps(e):
         return "–"
     if "error" in e:
         return "ERROR"
-    return f"{e['gbps']:.1f}"
+    return f"{e['gbps']:.1f}" + ("†" if "rel_err" in e else "")
 
 
 def fmt_ratio(a, b):
@@ -200,7 +218,7 @@ def summary_table(per_threads):
                 nc = res.get((op, "normcore", s))
                 best = None
                 for p in PEERS:
-                    if p == "reference":
+                    if p in NOT_PEERS:
                         continue
                     e = res.get((op, p, s))
                     if e and "error" not in e and (best is None or e["gbps"] > best[1]["gbps"]):
@@ -225,7 +243,12 @@ def write_markdown(path, per_threads, ctxs, cxx_flags, png_name):
            "threads (normcore and Eigen an Eigen::ThreadPoolDevice, libtorch and oneDNN OpenMP, the "
            "memcpy an OpenMP split). "
            "The machine is a shared 2-core VM (another build may be running), so small differences are "
-           "noise, and the 2-thread numbers of small shapes mostly measure thread wake-up latency.", ""]
+           "noise, and the 2-thread numbers of small shapes mostly measure thread wake-up latency.", "",
+           "Ops ending in `_bf16` / `_f16` store activations and parameters in bfloat16 / half (arithmetic "
+           "in float); GB/s counts 2 bytes per value. `ADD_*` ops are the fused residual norms (read x and "
+           "the residual, write h and y); `normcore_unfused` is the unfused pair (one vectorized add pass, "
+           "then the norm). † marks a peer whose 16-bit results missed the verification tolerance (timed "
+           "anyway; see `normcore_bench --verify`).", ""]
     out += machine_section(ctxs, cxx_flags)
     out += ["## Summary: normcore ÷ the fastest peer (torch, oneDNN, Eigen)", ""]
     out += summary_table(per_threads)

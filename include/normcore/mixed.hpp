@@ -17,6 +17,10 @@
 #include <vector>
 
 #include <unsupported/Eigen/CXX11/Tensor>
+#if defined(__F16C__) && defined(__AVX__)
+#include <immintrin.h>
+#define NORMCORE_F16C 1
+#endif
 
 #include "normcore/common.hpp"
 #include "normcore/detail/tensor.hpp"
@@ -58,6 +62,19 @@ void convert_n(const S* src, D* dst, Index n) {
     std::copy(src, src + n, dst);
   } else {
     Index i = 0;
+#ifdef NORMCORE_F16C
+    // Eigen 3.4 enables its F16C conversions only for clang (its test of
+    // EIGEN_COMP_CLANG is true for every compiler), so GCC would convert
+    // half one lane at a time in software: use F16C directly.
+    if constexpr (std::is_same<S, Eigen::half>::value && std::is_same<D, float>::value) {
+      for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+    } else if constexpr (std::is_same<S, float>::value && std::is_same<D, Eigen::half>::value) {
+      for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    }
+#endif
     if constexpr (std::is_same<D, float>::value && is_storage16<S>::value) {
       using PF = typename simd<float>::Packet;
       using PS = typename packet_traits<S>::type;
@@ -140,22 +157,44 @@ void narrow(const F& f, Y& y) {
 }
 
 /// h = x + residual, summed in float and rounded once to S, for n values;
-/// with hf, also the stored (rounded) h widened back to float.
+/// with hf, also the stored (rounded) h widened back to float. One pass of
+/// packets (16-bit loads widened, sums narrowed, then widened again: exact).
 template <typename S>
 void add_rows(const S* x, const S* r, S* h, float* hf, Index n) {
   if constexpr (!is_storage16<S>::value) {
     for (Index i = 0; i < n; ++i) h[i] = x[i] + r[i];
-    if (hf && hf != h) std::copy(h, h + n, hf);
+    if (hf && static_cast<const void*>(hf) != static_cast<const void*>(h)) {
+      for (Index i = 0; i < n; ++i) hf[i] = static_cast<float>(h[i]);
+    }
   } else {
-    constexpr Index kB = 256;
-    float a[kB], b[kB];
-    for (Index i = 0; i < n; i += kB) {
-      const Index m = std::min(kB, n - i);
-      convert_n(x + i, a, m);
-      convert_n(r + i, b, m);
-      for (Index j = 0; j < m; ++j) a[j] += b[j];
-      convert_n(a, h + i, m);
-      if (hf) convert_n(h + i, hf + i, m);
+    using namespace Eigen::internal;
+    using PF = typename simd<float>::Packet;
+    using PS = typename packet_traits<S>::type;
+    constexpr int L = simd<float>::L;
+    Index i = 0;
+#ifdef NORMCORE_F16C
+    if constexpr (std::is_same<S, Eigen::half>::value) {  // see convert_n
+      constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+      for (; i + 8 <= n; i += 8) {
+        const __m256 a = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i)));
+        const __m256 b = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r + i)));
+        const __m128i hs = _mm256_cvtps_ph(_mm256_add_ps(a, b), kRound);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(h + i), hs);
+        if (hf) _mm256_storeu_ps(hf + i, _mm256_cvtph_ps(hs));
+      }
+    }
+#endif
+    if constexpr (L > 1 && unpacket_traits<PS>::size == L) {
+      for (; i + L <= n; i += L) {
+        const PF sum = padd(pcast<PS, PF>(ploadu<PS>(x + i)), pcast<PS, PF>(ploadu<PS>(r + i)));
+        const PS hs = pcast<PF, PS>(sum);
+        pstoreu(h + i, hs);
+        if (hf) pstoreu(hf + i, pcast<PS, PF>(hs));
+      }
+    }
+    for (; i < n; ++i) {
+      h[i] = static_cast<S>(static_cast<float>(x[i]) + static_cast<float>(r[i]));
+      if (hf) hf[i] = static_cast<float>(h[i]);
     }
   }
 }
