@@ -76,18 +76,22 @@ template <typename T, typename X>
 Matrix2D<T> split_view(const char* who, const char* what, X& x,
                        const std::vector<Index>& normalized) {
   using Tr = tensor_traits<X>;
-  const std::vector<Index> dims = dims_of(x);
-  const std::size_t k = normalized.size();
-  bool ok = dims.size() >= k;
-  for (std::size_t i = 0; ok && i < k; ++i) ok = dims[dims.size() - k + i] == normalized[i];
+  // No allocation on the way through (this runs on every call): the dims
+  // are read in place and copied only for an error message.
+  constexpr int R = Tr::rank;
+  const int k = static_cast<int>(normalized.size());
+  bool ok = R >= k;
+  for (int i = 0; ok && i < k; ++i) ok = x.dimension(R - k + i) == normalized[static_cast<std::size_t>(i)];
   if (!ok) {
     fail(std::string(who) + ": expected " + what + " whose trailing dims are " +
-         shape_string(normalized) + ", got " + what + " of shape " + shape_string(dims));
+         shape_string(normalized) + ", got " + what + " of shape " + shape_string(dims_of(x)));
   }
   Matrix2D<T> v;
   v.data = const_cast<T*>(x.data());
-  v.rows = product(dims, 0, dims.size() - k);
-  v.cols = product(dims, dims.size() - k, dims.size());
+  v.rows = 1;
+  v.cols = 1;
+  for (int i = 0; i < R - k; ++i) v.rows *= x.dimension(i);
+  for (int i = R - k; i < R; ++i) v.cols *= x.dimension(i);
   v.row_major = Tr::layout == Eigen::RowMajor;
   return v;
 }
@@ -95,11 +99,12 @@ Matrix2D<T> split_view(const char* who, const char* what, X& x,
 /// Checks that two tensors have the same dims; names both in the error.
 template <typename A, typename B>
 void check_same_shape(const char* who, const char* what, const A& expected_like, const B& got) {
-  const auto e = dims_of(expected_like);
-  const auto g = dims_of(got);
-  if (e != g) {
-    fail(std::string(who) + ": expected " + what + " of shape " + shape_string(e) + ", got " +
-         shape_string(g));
+  constexpr int RA = tensor_traits<A>::rank, RB = tensor_traits<B>::rank;
+  bool same = RA == RB;
+  for (int i = 0; same && i < RA; ++i) same = expected_like.dimension(i) == got.dimension(i);
+  if (!same) {
+    fail(std::string(who) + ": expected " + what + " of shape " + shape_string(dims_of(expected_like)) +
+         ", got " + shape_string(dims_of(got)));
   }
 }
 
