@@ -604,12 +604,9 @@ class LayerNorm {
   // when the mean is large. Then
   //   dx = rstd * (g - mean(g) - x_hat * mean(g * x_hat))
   //      = fma(g, rstd, -fma(d, k3, k4))   (one rounding on the large term).
-  // The second pass goes over kTogether rows at once, so that the parameter
-  // gradients' accumulators are loaded and stored once per kTogether rows
-  // (stores bound this loop). They are summed in T over blocks of kRowBlock
-  // rows, then added in double, block by block in order.
+  // Parameter gradients are summed in T over blocks of kRowBlock rows, then
+  // added in double, block by block in order.
   static constexpr Index kRowBlock = 64;
-  static constexpr int kTogether = 4;
 
   static void backward_rows(const T* x, const T* dy, T* dx, Index rows, Index n, const T* mean,
                             const T* rstd, const T* gamma, double* dw, double* db, const T* dh) {
@@ -621,95 +618,74 @@ class LayerNorm {
       const Index r1 = std::min(rows, r0 + kRowBlock);
       std::fill(accw.begin(), accw.end(), T(0));
       std::fill(accb.begin(), accb.end(), T(0));
-      for (Index rg = r0; rg < r1; rg += kTogether) {
-        const int m = static_cast<int>(std::min<Index>(kTogether, r1 - rg));
-        alignas(64) T cp[kTogether], cr[kTogether], c3[kTogether], c4[kTogether], cx[kTogether];
-        for (int i = 0; i < m; ++i) {  // first pass, row by row
-          const Index r = rg + i;
-          const T* xr = x + r * n;
-          const T* gr = dy + r * n;
-          const T p = mean[r];
-          const Packet pp = pset1<Packet>(p);
-          Packet sg0 = pset1<Packet>(T(0)), sgd0 = sg0, sd0 = sg0, sg1 = sg0, sgd1 = sg0, sd1 = sg0;
-          Index j = 0;
-          for (; j + 2 * L <= n; j += 2 * L) {
-            Packet g0 = ploadu<Packet>(gr + j), g1 = ploadu<Packet>(gr + j + L);
-            if (gamma) {
-              g0 = pmul(g0, ploadu<Packet>(gamma + j));
-              g1 = pmul(g1, ploadu<Packet>(gamma + j + L));
-            }
-            const Packet d0 = psub(ploadu<Packet>(xr + j), pp);
-            const Packet d1 = psub(ploadu<Packet>(xr + j + L), pp);
-            sg0 = padd(sg0, g0);
-            sg1 = padd(sg1, g1);
-            sgd0 = pmadd(g0, d0, sgd0);
-            sgd1 = pmadd(g1, d1, sgd1);
-            sd0 = padd(sd0, d0);
-            sd1 = padd(sd1, d1);
-          }
-          for (; j + L <= n; j += L) {
-            Packet g0 = ploadu<Packet>(gr + j);
-            if (gamma) g0 = pmul(g0, ploadu<Packet>(gamma + j));
-            const Packet d0 = psub(ploadu<Packet>(xr + j), pp);
-            sg0 = padd(sg0, g0);
-            sgd0 = pmadd(g0, d0, sgd0);
-            sd0 = padd(sd0, d0);
-          }
-          double sg = static_cast<double>(predux(padd(sg0, sg1)));
-          double sgd = static_cast<double>(predux(padd(sgd0, sgd1)));
-          double sd = static_cast<double>(predux(padd(sd0, sd1)));
-          for (; j < n; ++j) {
-            const double g = static_cast<double>(gamma ? gr[j] * gamma[j] : gr[j]);
-            const double d = static_cast<double>(xr[j] - p);
-            sg += g;
-            sgd += g * d;
-            sd += d;
-          }
-          const auto bc = detail::backward_coeffs<T>(sg, sgd, sd, n, rstd[r]);
-          cp[i] = p;
-          cr[i] = rstd[r];
-          c3[i] = bc.k3;
-          c4[i] = bc.k4;
-          cx[i] = bc.xs;
-        }
-        // Second pass: dx of the m rows; their dw, db terms summed per column
-        // in row order, then added to the block's accumulators.
+      for (Index r = r0; r < r1; ++r) {
+        const T* xr = x + r * n;
+        const T* gr = dy + r * n;
+        const T p = mean[r];
+        const T rs = rstd[r];
+        const Packet pp = pset1<Packet>(p);
+        Packet sg0 = pset1<Packet>(T(0)), sgd0 = sg0, sd0 = sg0, sg1 = sg0, sgd1 = sg0, sd1 = sg0;
         Index j = 0;
-        for (; j + L <= n; j += L) {
-          const Packet gm = gamma ? ploadu<Packet>(gamma + j) : pset1<Packet>(T(1));
-          Packet sw = pset1<Packet>(T(0)), sb = sw;
-          for (int i = 0; i < m; ++i) {
-            const Index o = (rg + i) * n + j;
-            const Packet dyv = ploadu<Packet>(dy + o);
-            const Packet pr = pset1<Packet>(cr[i]);
-            const Packet xh = pmadd(psub(ploadu<Packet>(x + o), pset1<Packet>(cp[i])), pr, pset1<Packet>(cx[i]));
-            if (dx) {
-              const Packet g = gamma ? pmul(dyv, gm) : dyv;
-              Packet v = pmadd(g, pr, pnegate(pmadd(xh, pset1<Packet>(c3[i]), pset1<Packet>(c4[i]))));
-              if (dh) v = padd(v, ploadu<Packet>(dh + o));
-              pstoreu(dx + o, v);
-            }
-            sw = pmadd(dyv, xh, sw);
-            sb = padd(sb, dyv);
+        for (; j + 2 * L <= n; j += 2 * L) {
+          Packet g0 = ploadu<Packet>(gr + j), g1 = ploadu<Packet>(gr + j + L);
+          if (gamma) {
+            g0 = pmul(g0, ploadu<Packet>(gamma + j));
+            g1 = pmul(g1, ploadu<Packet>(gamma + j + L));
           }
-          if (dw) pstoreu(accw.data() + j, padd(ploadu<Packet>(accw.data() + j), sw));
-          if (db) pstoreu(accb.data() + j, padd(ploadu<Packet>(accb.data() + j), sb));
+          const Packet d0 = psub(ploadu<Packet>(xr + j), pp);
+          const Packet d1 = psub(ploadu<Packet>(xr + j + L), pp);
+          sg0 = padd(sg0, g0);
+          sg1 = padd(sg1, g1);
+          sgd0 = pmadd(g0, d0, sgd0);
+          sgd1 = pmadd(g1, d1, sgd1);
+          sd0 = padd(sd0, d0);
+          sd1 = padd(sd1, d1);
+        }
+        for (; j + L <= n; j += L) {
+          Packet g0 = ploadu<Packet>(gr + j);
+          if (gamma) g0 = pmul(g0, ploadu<Packet>(gamma + j));
+          const Packet d0 = psub(ploadu<Packet>(xr + j), pp);
+          sg0 = padd(sg0, g0);
+          sgd0 = pmadd(g0, d0, sgd0);
+          sd0 = padd(sd0, d0);
+        }
+        double sg = static_cast<double>(predux(padd(sg0, sg1)));
+        double sgd = static_cast<double>(predux(padd(sgd0, sgd1)));
+        double sd = static_cast<double>(predux(padd(sd0, sd1)));
+        for (; j < n; ++j) {
+          const double g = static_cast<double>(gamma ? gr[j] * gamma[j] : gr[j]);
+          const double d = static_cast<double>(xr[j] - p);
+          sg += g;
+          sgd += g * d;
+          sd += d;
+        }
+        const auto bc = detail::backward_coeffs<T>(sg, sgd, sd, n, rs);
+        const T k3 = bc.k3, k4 = bc.k4, xs = bc.xs;
+        const Packet pr = pset1<Packet>(rs), p3 = pset1<Packet>(k3), p4 = pset1<Packet>(k4),
+                     pxs = pset1<Packet>(xs);
+        j = 0;
+        for (; j + L <= n; j += L) {
+          const Packet dyv = ploadu<Packet>(gr + j);
+          const Packet d = psub(ploadu<Packet>(xr + j), pp);
+          const Packet xh = pmadd(d, pr, pxs);
+          if (dx) {
+            const Packet g = gamma ? pmul(dyv, ploadu<Packet>(gamma + j)) : dyv;
+            Packet v = pmadd(g, pr, pnegate(pmadd(xh, p3, p4)));
+            if (dh) v = padd(v, ploadu<Packet>(dh + r * n + j));
+            pstoreu(dx + r * n + j, v);
+          }
+          if (dw) pstoreu(accw.data() + j, pmadd(dyv, xh, ploadu<Packet>(accw.data() + j)));
+          if (db) pstoreu(accb.data() + j, padd(dyv, ploadu<Packet>(accb.data() + j)));
         }
         for (; j < n; ++j) {
-          T sw = T(0), sb = T(0);
-          for (int i = 0; i < m; ++i) {
-            const Index o = (rg + i) * n + j;
-            const T xh = detail::madd(x[o] - cp[i], cr[i], cx[i]);
-            if (dx) {
-              const T g = gamma ? dy[o] * gamma[j] : dy[o];
-              const T v = detail::madd(g, cr[i], -detail::madd(xh, c3[i], c4[i]));
-              dx[o] = dh ? v + dh[o] : v;
-            }
-            sw = detail::madd(dy[o], xh, sw);
-            sb += dy[o];
+          const T xh = detail::madd(xr[j] - p, rs, xs);
+          if (dx) {
+            const T g = gamma ? gr[j] * gamma[j] : gr[j];
+            const T v = detail::madd(g, rs, -detail::madd(xh, k3, k4));
+            dx[r * n + j] = dh ? v + dh[r * n + j] : v;
           }
-          if (dw) accw[static_cast<std::size_t>(j)] += sw;
-          if (db) accb[static_cast<std::size_t>(j)] += sb;
+          if (dw) accw[static_cast<std::size_t>(j)] = detail::madd(gr[j], xh, accw[static_cast<std::size_t>(j)]);
+          if (db) accb[static_cast<std::size_t>(j)] += gr[j];
         }
       }
       for (Index j = 0; dw && j < n; ++j) dw[j] += static_cast<double>(accw[static_cast<std::size_t>(j)]);

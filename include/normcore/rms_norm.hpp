@@ -551,10 +551,7 @@ class RMSNorm {
   // `count` RowMajor rows with rstd r (long double; a row whose rstd is not a
   // normal T takes the exact path); dw sums dy * x_hat over blocks of
   // kRowBlock rows in T, each block added into dwp in double; dh (optional)
-  // is added to dx. The second pass goes over up to kTogether rows at once,
-  // so that the dw accumulators are loaded and stored once per group.
-  static constexpr int kTogether = 4;
-
+  // is added to dx.
   static void backward_rows(const T* x, const T* dy, T* dx, Index count, Index n, const long double* r,
                             const T* g, double* dwp, const T* dh) {
     using namespace Eigen::internal;
@@ -564,90 +561,70 @@ class RMSNorm {
     for (Index b0 = 0; b0 < count; b0 += kRowBlock) {
       const Index b1 = std::min(count, b0 + kRowBlock);
       std::fill(acc.begin(), acc.end(), T(0));
-      for (Index rg = b0; rg < b1; rg += kTogether) {
-        const Index re = std::min<Index>(b1, rg + kTogether);
-        Index rowi[kTogether];
-        alignas(64) T crt[kTogether], cc[kTogether];
-        int m = 0;
-        for (Index i = rg; i < re; ++i) {
-          const T* xr = x + i * n;
-          const T* gr = dy + i * n;
-          const long double ri = r[i];
-          if (!detail::normal_in<T>(ri)) {
-            long double sgx = 0;
-            for (Index j = 0; j < n; ++j) {
-              const long double gj = static_cast<long double>(gr[j]) * (g ? static_cast<long double>(g[j]) : 1.0L);
-              sgx += gj * static_cast<long double>(xr[j]) * ri;
-            }
-            const long double c = sgx / static_cast<long double>(n);
-            for (Index j = 0; j < n; ++j) {
-              const long double xh = static_cast<long double>(xr[j]) * ri;
-              const long double gj = static_cast<long double>(gr[j]) * (g ? static_cast<long double>(g[j]) : 1.0L);
-              if (dx) {
-                long double v = ri * (gj - xh * c);
-                if (dh) v += static_cast<long double>(dh[i * n + j]);
-                dx[i * n + j] = static_cast<T>(v);
-              }
-              if (dwp) dwp[j] += static_cast<double>(static_cast<long double>(gr[j]) * xh);
-            }
-            continue;
+      for (Index i = b0; i < b1; ++i) {
+        const T* xr = x + i * n;
+        const T* gr = dy + i * n;
+        const long double ri = r[i];
+        if (!detail::normal_in<T>(ri)) {
+          long double sgx = 0;
+          for (Index j = 0; j < n; ++j) {
+            const long double gj = static_cast<long double>(gr[j]) * (g ? static_cast<long double>(g[j]) : 1.0L);
+            sgx += gj * static_cast<long double>(xr[j]) * ri;
           }
-          const T rt = static_cast<T>(ri);
-          Packet s0 = pset1<Packet>(T(0)), s1 = s0;
-          Index j = 0;
-          for (; j + 2 * L <= n; j += 2 * L) {
-            Packet g0v = ploadu<Packet>(gr + j), g1v = ploadu<Packet>(gr + j + L);
-            if (g) {
-              g0v = pmul(g0v, ploadu<Packet>(g + j));
-              g1v = pmul(g1v, ploadu<Packet>(g + j + L));
-            }
-            s0 = pmadd(g0v, ploadu<Packet>(xr + j), s0);
-            s1 = pmadd(g1v, ploadu<Packet>(xr + j + L), s1);
-          }
-          for (; j + L <= n; j += L) {
-            Packet g0v = ploadu<Packet>(gr + j);
-            if (g) g0v = pmul(g0v, ploadu<Packet>(g + j));
-            s0 = pmadd(g0v, ploadu<Packet>(xr + j), s0);
-          }
-          double sgx = static_cast<double>(predux(padd(s0, s1)));
-          for (; j < n; ++j)
-            sgx += static_cast<double>(g ? gr[j] * g[j] : gr[j]) * static_cast<double>(xr[j]);
-          rowi[m] = i;
-          crt[m] = rt;
-          cc[m] = static_cast<T>(static_cast<double>(rt) * sgx / static_cast<double>(n));
-          ++m;
-        }
-        Index j = 0;
-        for (; j + L <= n; j += L) {
-          const Packet gm = g ? ploadu<Packet>(g + j) : pset1<Packet>(T(1));
-          Packet sw = pset1<Packet>(T(0));
-          for (int k = 0; k < m; ++k) {
-            const Index o = rowi[k] * n + j;
-            const Packet dyv = ploadu<Packet>(dy + o);
-            const Packet pr = pset1<Packet>(crt[k]);
-            const Packet xh = pmul(ploadu<Packet>(x + o), pr);
+          const long double c = sgx / static_cast<long double>(n);
+          for (Index j = 0; j < n; ++j) {
+            const long double xh = static_cast<long double>(xr[j]) * ri;
+            const long double gj = static_cast<long double>(gr[j]) * (g ? static_cast<long double>(g[j]) : 1.0L);
             if (dx) {
-              const Packet gv = g ? pmul(dyv, gm) : dyv;
-              Packet v = pmul(pr, psub(gv, pmul(xh, pset1<Packet>(cc[k]))));
-              if (dh) v = padd(v, ploadu<Packet>(dh + o));
-              pstoreu(dx + o, v);
+              long double v = ri * (gj - xh * c);
+              if (dh) v += static_cast<long double>(dh[i * n + j]);
+              dx[i * n + j] = static_cast<T>(v);
             }
-            sw = pmadd(dyv, xh, sw);
+            if (dwp) dwp[j] += static_cast<double>(static_cast<long double>(gr[j]) * xh);
           }
-          if (dwp && m) pstoreu(acc.data() + j, padd(ploadu<Packet>(acc.data() + j), sw));
+          continue;
+        }
+        const T rt = static_cast<T>(ri);
+        Packet s0 = pset1<Packet>(T(0)), s1 = s0;
+        Index j = 0;
+        for (; j + 2 * L <= n; j += 2 * L) {
+          Packet g0v = ploadu<Packet>(gr + j), g1v = ploadu<Packet>(gr + j + L);
+          if (g) {
+            g0v = pmul(g0v, ploadu<Packet>(g + j));
+            g1v = pmul(g1v, ploadu<Packet>(g + j + L));
+          }
+          s0 = pmadd(g0v, ploadu<Packet>(xr + j), s0);
+          s1 = pmadd(g1v, ploadu<Packet>(xr + j + L), s1);
+        }
+        for (; j + L <= n; j += L) {
+          Packet g0v = ploadu<Packet>(gr + j);
+          if (g) g0v = pmul(g0v, ploadu<Packet>(g + j));
+          s0 = pmadd(g0v, ploadu<Packet>(xr + j), s0);
+        }
+        double sgx = static_cast<double>(predux(padd(s0, s1)));
+        for (; j < n; ++j)
+          sgx += static_cast<double>(g ? gr[j] * g[j] : gr[j]) * static_cast<double>(xr[j]);
+        const T c = static_cast<T>(static_cast<double>(rt) * sgx / static_cast<double>(n));
+        const Packet pr = pset1<Packet>(rt), pc = pset1<Packet>(c);
+        j = 0;
+        for (; j + L <= n; j += L) {
+          const Packet dyv = ploadu<Packet>(gr + j);
+          const Packet xh = pmul(ploadu<Packet>(xr + j), pr);
+          if (dx) {
+            const Packet gv = g ? pmul(dyv, ploadu<Packet>(g + j)) : dyv;
+            Packet v = pmul(pr, psub(gv, pmul(xh, pc)));
+            if (dh) v = padd(v, ploadu<Packet>(dh + i * n + j));
+            pstoreu(dx + i * n + j, v);
+          }
+          if (dwp) pstoreu(acc.data() + j, pmadd(dyv, xh, ploadu<Packet>(acc.data() + j)));
         }
         for (; j < n; ++j) {
-          T sw = T(0);
-          for (int k = 0; k < m; ++k) {
-            const Index o = rowi[k] * n + j;
-            const T xh = x[o] * crt[k];
-            if (dx) {
-              const T v = crt[k] * ((g ? dy[o] * g[j] : dy[o]) - xh * cc[k]);
-              dx[o] = dh ? v + dh[o] : v;
-            }
-            sw = detail::madd(dy[o], xh, sw);
+          const T xh = xr[j] * rt;
+          if (dx) {
+            const T v = rt * ((g ? gr[j] * g[j] : gr[j]) - xh * c);
+            dx[i * n + j] = dh ? v + dh[i * n + j] : v;
           }
-          if (dwp && m) acc[static_cast<std::size_t>(j)] += sw;
+          if (dwp) acc[static_cast<std::size_t>(j)] = detail::madd(gr[j], xh, acc[static_cast<std::size_t>(j)]);
         }
       }
       for (Index j = 0; dwp && j < n; ++j) dwp[j] += static_cast<double>(acc[static_cast<std::size_t>(j)]);
