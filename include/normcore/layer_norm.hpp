@@ -549,6 +549,7 @@ class LayerNorm {
       // blocks when they are small, so the sums match the float path).
       const Index sb = wide ? (kRowBlock * n <= 4 * detail::kStageValues ? kRowBlock : detail::stage_rows(n)) : 0;
       std::vector<T> buf(static_cast<std::size_t>(4 * sb * n));
+      GradAcc acc(xv.row_major ? n : 0, dweight != nullptr, dbias != nullptr);
       for (Index gi = psplit.begin(p); gi < psplit.begin(p + 1); ++gi) {
         const Index r0 = gsplit.begin(gi), r1 = gsplit.begin(gi + 1);
         double* dw = dweight ? dw_part.data() + gi * n : nullptr;
@@ -564,12 +565,14 @@ class LayerNorm {
             detail::convert_n(dyp + b0 * n, bdy, m * n);
             if (dhp) detail::convert_n(dhp + b0 * n, bdh, m * n);
             backward_rows(bx, bdy, dxp ? bdx : nullptr, m, n, mean + b0, rstd + b0, pv.gamma, dw, db,
-                          dhp ? bdh : nullptr);
+                          dhp ? bdh : nullptr, acc);
             if (dxp) detail::convert_n(bdx, dxp + b0 * n, m * n);
           }
+          if (acc.rows) acc.flush(dw, db);
         } else if (xv.row_major) {
           backward_rows(xv.data + r0 * n, dyp + r0 * n, dxp ? dxp + r0 * n : nullptr, r1 - r0, n,
-                        mean + r0, rstd + r0, pv.gamma, dw, db, dhp ? dhp + r0 * n : nullptr);
+                        mean + r0, rstd + r0, pv.gamma, dw, db, dhp ? dhp + r0 * n : nullptr, acc);
+          if (acc.rows) acc.flush(dw, db);
         } else {
           backward_colmajor(xv.data, dyp, dxp, rows, r0, r1, n, mean, rstd, pv.gamma, dw, db);
           if (dxp && dhp) {  // the residual gradient, added in a second pass
@@ -608,16 +611,37 @@ class LayerNorm {
   // added in double, block by block in order.
   static constexpr Index kRowBlock = 64;
 
+  // The T accumulators of dweight/dbias and the rows they hold; flushed into
+  // the group's double sums every kRowBlock rows counted from the group's
+  // start, however the rows arrive (whole groups, or 16-bit sub-blocks).
+  struct GradAcc {
+    std::vector<T> w, b;
+    Index rows = 0;
+    GradAcc(Index n, bool want_w, bool want_b)
+        : w(want_w ? static_cast<std::size_t>(n) : 0, T(0)), b(want_b ? static_cast<std::size_t>(n) : 0, T(0)) {}
+    void flush(double* dw, double* db) {
+      for (std::size_t j = 0; j < w.size(); ++j) {
+        dw[j] += static_cast<double>(w[j]);
+        w[j] = T(0);
+      }
+      for (std::size_t j = 0; j < b.size(); ++j) {
+        db[j] += static_cast<double>(b[j]);
+        b[j] = T(0);
+      }
+      rows = 0;
+    }
+  };
+
   static void backward_rows(const T* x, const T* dy, T* dx, Index rows, Index n, const T* mean,
-                            const T* rstd, const T* gamma, double* dw, double* db, const T* dh) {
+                            const T* rstd, const T* gamma, double* dw, double* db, const T* dh,
+                            GradAcc& acc) {
     using namespace Eigen::internal;
     using Packet = typename detail::simd<T>::Packet;
     constexpr int L = detail::simd<T>::L;
-    std::vector<T> accw(dw ? static_cast<std::size_t>(n) : 0), accb(db ? static_cast<std::size_t>(n) : 0);
-    for (Index r0 = 0; r0 < rows; r0 += kRowBlock) {
-      const Index r1 = std::min(rows, r0 + kRowBlock);
-      std::fill(accw.begin(), accw.end(), T(0));
-      std::fill(accb.begin(), accb.end(), T(0));
+    auto& accw = acc.w;
+    auto& accb = acc.b;
+    for (Index r0 = 0; r0 < rows;) {
+      const Index r1 = std::min(rows, r0 + (kRowBlock - acc.rows));
       for (Index r = r0; r < r1; ++r) {
         const T* xr = x + r * n;
         const T* gr = dy + r * n;
@@ -688,8 +712,9 @@ class LayerNorm {
           if (db) accb[static_cast<std::size_t>(j)] += gr[j];
         }
       }
-      for (Index j = 0; dw && j < n; ++j) dw[j] += static_cast<double>(accw[static_cast<std::size_t>(j)]);
-      for (Index j = 0; db && j < n; ++j) db[j] += static_cast<double>(accb[static_cast<std::size_t>(j)]);
+      acc.rows += r1 - r0;
+      if (acc.rows == kRowBlock) acc.flush(dw, db);
+      r0 = r1;
     }
   }
 

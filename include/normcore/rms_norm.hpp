@@ -481,6 +481,7 @@ class RMSNorm {
       const Index sb = wide ? (kRowBlock * n <= 4 * detail::kStageValues ? kRowBlock : detail::stage_rows(n)) : 0;
       std::vector<T> buf(static_cast<std::size_t>(4 * sb * n));
       std::vector<long double> r;
+      GradAcc gacc(xv.row_major ? n : 0, dweight != nullptr);
       for (Index gi = psplit.begin(p); gi < psplit.begin(p + 1); ++gi) {
         const Index g0 = gsplit.begin(gi), g1 = gsplit.begin(gi + 1);
         double* dwp = dweight ? dw_part.data() + gi * n : nullptr;
@@ -519,11 +520,12 @@ class RMSNorm {
               if (!saved || !detail::normal_in<T>(ri)) ri = row_rstd(bx + i * n, n);
               r[static_cast<std::size_t>(i)] = ri;
             }
-            backward_rows(bx, bdy, bdx, m, n, r.data(), g, dwp, bdh);
+            backward_rows(bx, bdy, bdx, m, n, r.data(), g, dwp, bdh, gacc);
             if constexpr (wide) {
               if (dx) detail::convert_n(bdx, dx + b0 * n, m * n);
             }
           }
+          if (gacc.rows) gacc.flush(dwp);
           continue;
         }
         if constexpr (!wide) {
@@ -552,15 +554,29 @@ class RMSNorm {
   // normal T takes the exact path); dw sums dy * x_hat over blocks of
   // kRowBlock rows in T, each block added into dwp in double; dh (optional)
   // is added to dx.
+  // The T accumulator of dweight and the rows it holds; flushed into the
+  // group's double sums every kRowBlock rows counted from the group's start.
+  struct GradAcc {
+    std::vector<T> w;
+    Index rows = 0;
+    GradAcc(Index n, bool want) : w(want ? static_cast<std::size_t>(n) : 0, T(0)) {}
+    void flush(double* dwp) {
+      for (std::size_t j = 0; j < w.size(); ++j) {
+        dwp[j] += static_cast<double>(w[j]);
+        w[j] = T(0);
+      }
+      rows = 0;
+    }
+  };
+
   static void backward_rows(const T* x, const T* dy, T* dx, Index count, Index n, const long double* r,
-                            const T* g, double* dwp, const T* dh) {
+                            const T* g, double* dwp, const T* dh, GradAcc& gacc) {
     using namespace Eigen::internal;
     using Packet = typename detail::simd<T>::Packet;
     constexpr int L = detail::simd<T>::L;
-    std::vector<T> acc(dwp ? static_cast<std::size_t>(n) : 0);
-    for (Index b0 = 0; b0 < count; b0 += kRowBlock) {
-      const Index b1 = std::min(count, b0 + kRowBlock);
-      std::fill(acc.begin(), acc.end(), T(0));
+    auto& acc = gacc.w;
+    for (Index b0 = 0; b0 < count;) {
+      const Index b1 = std::min(count, b0 + (kRowBlock - gacc.rows));
       for (Index i = b0; i < b1; ++i) {
         const T* xr = x + i * n;
         const T* gr = dy + i * n;
@@ -627,7 +643,9 @@ class RMSNorm {
           if (dwp) acc[static_cast<std::size_t>(j)] = detail::madd(gr[j], xh, acc[static_cast<std::size_t>(j)]);
         }
       }
-      for (Index j = 0; dwp && j < n; ++j) dwp[j] += static_cast<double>(acc[static_cast<std::size_t>(j)]);
+      gacc.rows += b1 - b0;
+      if (gacc.rows == kRowBlock) gacc.flush(dwp);
+      b0 = b1;
     }
   }
 
