@@ -211,6 +211,55 @@ auto float_like(const X& x) {
 namespace normcore {
 namespace detail {
 
+/// The shared front of LayerNorm's and RMSNorm's backward: checks x, dy,
+/// dx (a pointer or nullptr) and dh_next (a pointer, possibly null) against
+/// each other and the normalized shape, takes the views, and calls
+/// impl(view, dy, dx, dh) with raw pointers (dx, dh null when absent).
+/// 16-bit ColMajor data go through whole float copies (impl then sees
+/// float), dx rounded once at the end.
+template <typename T, typename X, typename DY, typename DX, typename DH, typename Impl>
+void row_backward_entry(const char* who, const std::vector<Index>& shape, const X& x, const DY& dy, DX dx,
+                        const DH* dh, Impl&& impl) {
+  using S = typename tensor_traits<X>::Scalar;
+  check_storage<T, X>();
+  check_same_scalar<X, DY>();
+  check_layouts<X, DY>();
+  check_same_scalar<X, DH>();
+  check_layouts<X, DH>();
+  const auto xv = split_view<S>(who, "input", x, shape);
+  check_same_shape(who, "dy", x, dy);
+  if (dh) check_same_shape(who, "dh_next", x, *dh);
+  S* dxp = nullptr;
+  if constexpr (!std::is_null_pointer<DX>::value) {
+    using D = std::remove_pointer_t<DX>;
+    static_assert(std::is_pointer<DX>::value, "normcore: pass dx as a pointer (or nullptr)");
+    check_same_scalar<X, D>();
+    check_layouts<X, D>();
+    static_assert(tensor_traits<D>::writable, "normcore: dx must be writable");
+    if (dx) {
+      check_same_shape(who, "dx", x, *dx);
+      dxp = dx->data();
+    }
+  }
+  if constexpr (!std::is_same<S, T>::value) {
+    if (!xv.row_major) {
+      const auto xf = widen(x);
+      const auto dyf = widen(dy);
+      auto dxf = float_like(x);
+      decltype(widen(x)) dhf;
+      if (dh) dhf = widen(*dh);
+      const auto fv = split_view<T>(who, "input", xf, shape);
+      impl(fv, dyf.data(), dxp ? dxf.data() : static_cast<T*>(nullptr),
+           dh ? static_cast<const T*>(dhf.data()) : static_cast<const T*>(nullptr));
+      if constexpr (!std::is_null_pointer<DX>::value) {
+        if (dxp) narrow(dxf, *dx);
+      }
+      return;
+    }
+  }
+  impl(xv, static_cast<const S*>(dy.data()), dxp, dh ? static_cast<const S*>(dh->data()) : static_cast<const S*>(nullptr));
+}
+
 /// Fused residual add and norm: h = x + residual (summed in float for
 /// 16-bit storage and rounded once; h may alias residual for an in-place
 /// update), then y = norm(h). RowMajor rows go in blocks of about

@@ -410,44 +410,10 @@ class RMSNorm {
   template <typename Device, typename X, typename DY, typename DX, typename DH>
   void backward_entry(const Device& device, const X& x, const DY& dy, DX dx, const DH* dh,
                       Eigen::Tensor<P, 1>* dweight, const NormStats<T>* saved) const {
-    using S = typename detail::tensor_traits<X>::Scalar;
-    detail::check_storage<T, X>();
-    detail::check_same_scalar<X, DY>();
-    detail::check_layouts<X, DY>();
-    detail::check_same_scalar<X, DH>();
-    detail::check_layouts<X, DH>();
-    const auto xv = detail::split_view<S>(kWho, "input", x, options_.normalized_shape());
-    detail::check_same_shape(kWho, "dy", x, dy);
-    if (dh) detail::check_same_shape(kWho, "dh_next", x, *dh);
-    S* dxp = nullptr;
-    if constexpr (!std::is_null_pointer<DX>::value) {
-      using D = std::remove_pointer_t<DX>;
-      static_assert(std::is_pointer<DX>::value, "normcore: pass dx as a pointer (or nullptr)");
-      detail::check_same_scalar<X, D>();
-      detail::check_layouts<X, D>();
-      static_assert(detail::tensor_traits<D>::writable, "normcore: dx must be writable");
-      if (dx) {
-        detail::check_same_shape(kWho, "dx", x, *dx);
-        dxp = dx->data();
-      }
-    }
-    if constexpr (!std::is_same<S, T>::value) {
-      if (!xv.row_major) {
-        const auto xf = detail::widen(x);
-        const auto dyf = detail::widen(dy);
-        auto dxf = detail::float_like(x);
-        decltype(detail::widen(x)) dhf;
-        if (dh) dhf = detail::widen(*dh);
-        const auto fv = detail::split_view<T>(kWho, "input", xf, options_.normalized_shape());
-        backward_impl(device, fv, dyf.data(), dxp ? dxf.data() : nullptr, dh ? dhf.data() : nullptr,
-                      dweight, saved);
-        if constexpr (!std::is_null_pointer<DX>::value) {
-          if (dxp) detail::narrow(dxf, *dx);
-        }
-        return;
-      }
-    }
-    backward_impl(device, xv, dy.data(), dxp, dh ? dh->data() : nullptr, dweight, saved);
+    detail::row_backward_entry<T>(kWho, options_.normalized_shape(), x, dy, dx, dh,
+                                  [&](const auto& v, const auto* dyp, auto* dxp, const auto* dhp) {
+                                    backward_impl(device, v, dyp, dxp, dhp, dweight, saved);
+                                  });
   }
 
   // dx = rstd * (g - x_hat * mean(g * x_hat)), x_hat = x * rstd, g = dy * weight:
