@@ -322,23 +322,13 @@ class LayerNorm {
     const detail::Split split{rows, parts, align};
     if (xv.row_major) {
       detail::run_parts(device, parts, [&](Index p) {
-        const Index b = split.begin(p), e = split.begin(p + 1);
-        if constexpr (std::is_same<S, T>::value) {
-          forward_rows(xv.data + b * n, out + b * n, n, e - b, mean ? mean + b : nullptr,
-                       rstd ? rstd + b : nullptr, prm.gamma, prm.beta);
-        } else {
-          // 16-bit rows: widened a block at a time, normalized in float,
-          // rounded once on the way out.
-          const Index blk = detail::stage_rows(n);
-          std::vector<T> buf(static_cast<std::size_t>(2 * blk * n));
-          for (Index r0 = b; r0 < e; r0 += blk) {
-            const Index m = std::min(blk, e - r0);
-            detail::convert_n(xv.data + r0 * n, buf.data(), m * n);
-            forward_rows(buf.data(), buf.data() + blk * n, n, m, mean ? mean + r0 : nullptr,
-                         rstd ? rstd + r0 : nullptr, prm.gamma, prm.beta);
-            detail::convert_n(buf.data() + blk * n, out + r0 * n, m * n);
-          }
-        }
+        // 16-bit rows: widened a block at a time, normalized in float,
+        // rounded once on the way out.
+        detail::rows_in_compute_type<T>(xv.data, out, n, split.begin(p), split.begin(p + 1),
+                                        [&](const T* xb, T* yb, Index m, Index r0) {
+                                          forward_rows(xb, yb, n, m, mean ? mean + r0 : nullptr,
+                                                       rstd ? rstd + r0 : nullptr, prm.gamma, prm.beta);
+                                        });
       });
     } else if constexpr (std::is_same<S, T>::value) {
       const auto pv = detail::param_view(true, options_.normalized_shape(), prm.gamma, prm.beta, n);
@@ -513,7 +503,7 @@ class LayerNorm {
     detail::run_parts(device, parts, [&](Index p) {
       // 16-bit rows: sub-blocks widened into float buffers (whole kRowBlock
       // blocks when they are small, so the sums match the float path).
-      const Index sb = wide ? (kRowBlock * n <= 4 * detail::kStageValues ? kRowBlock : detail::stage_rows(n)) : 0;
+      const Index sb = wide ? detail::backward_stage_rows(n, kRowBlock) : 0;
       std::vector<T> buf(static_cast<std::size_t>(4 * sb * n));
       GradAcc acc(xv.row_major ? n : 0, dweight != nullptr, dbias != nullptr);
       for (Index gi = psplit.begin(p); gi < psplit.begin(p + 1); ++gi) {

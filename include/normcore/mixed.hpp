@@ -99,6 +99,32 @@ void convert_n(const S* src, D* dst, Index n) {
 constexpr Index kStageValues = 4096;
 inline Index stage_rows(Index n) { return std::max<Index>(1, kStageValues / std::max<Index>(n, 1)); }
 
+/// Runs fn(xb, yb, count, r0) over RowMajor rows [b, e) of n values: on the
+/// data themselves when they are stored as T, else a block of stage_rows(n)
+/// rows at a time through float buffers (widened on the way in, rounded
+/// once on the way out). fn writes row r0's statistics onward.
+template <typename T, typename S, typename Fn>
+void rows_in_compute_type(const S* x, S* y, Index n, Index b, Index e, Fn&& fn) {
+  if constexpr (std::is_same<S, T>::value) {
+    fn(x + b * n, y + b * n, e - b, b);
+  } else {
+    const Index blk = stage_rows(n);
+    std::vector<T> buf(static_cast<std::size_t>(2 * blk * n));
+    for (Index r0 = b; r0 < e; r0 += blk) {
+      const Index m = std::min(blk, e - r0);
+      convert_n(x + r0 * n, buf.data(), m * n);
+      fn(static_cast<const T*>(buf.data()), buf.data() + blk * n, m, r0);
+      convert_n(buf.data() + blk * n, y + r0 * n, m * n);
+    }
+  }
+}
+
+/// Rows per staged sub-block of the 16-bit backward: a whole kRowBlock
+/// block when its four buffers (x, dy, dx, dh) are small, else stage_rows(n).
+inline Index backward_stage_rows(Index n, Index row_block) {
+  return row_block * n <= 4 * kStageValues ? row_block : stage_rows(n);
+}
+
 /// A layer's weight and bias as its arithmetic type T needs them: the
 /// parameters themselves when they are stored as T, float copies otherwise.
 template <typename T>

@@ -310,19 +310,10 @@ class RMSNorm {
     const detail::Split split{rows, parts, align};
     if (xv.row_major) {
       detail::run_parts(device, parts, [&](Index p) {
-        const Index b = split.begin(p), e = split.begin(p + 1);
-        if constexpr (std::is_same<S, T>::value) {
-          forward_rows(xv.data + b * n, out + b * n, n, e - b, rsave ? rsave + b : nullptr, prm.gamma);
-        } else {
-          const Index blk = detail::stage_rows(n);
-          std::vector<T> buf(static_cast<std::size_t>(2 * blk * n));
-          for (Index r0 = b; r0 < e; r0 += blk) {
-            const Index m = std::min(blk, e - r0);
-            detail::convert_n(xv.data + r0 * n, buf.data(), m * n);
-            forward_rows(buf.data(), buf.data() + blk * n, n, m, rsave ? rsave + r0 : nullptr, prm.gamma);
-            detail::convert_n(buf.data() + blk * n, out + r0 * n, m * n);
-          }
-        }
+        detail::rows_in_compute_type<T>(xv.data, out, n, split.begin(p), split.begin(p + 1),
+                                        [&](const T* xb, T* yb, Index m, Index r0) {
+                                          forward_rows(xb, yb, n, m, rsave ? rsave + r0 : nullptr, prm.gamma);
+                                        });
       });
       return;
     }
@@ -444,7 +435,7 @@ class RMSNorm {
     std::vector<double> dw_part(dweight ? static_cast<std::size_t>(groups * n) : 0, 0.0);
 
     detail::run_parts(device, parts, [&](Index p) {
-      const Index sb = wide ? (kRowBlock * n <= 4 * detail::kStageValues ? kRowBlock : detail::stage_rows(n)) : 0;
+      const Index sb = wide ? detail::backward_stage_rows(n, kRowBlock) : 0;
       std::vector<T> buf(static_cast<std::size_t>(4 * sb * n));
       std::vector<long double> r;
       GradAcc gacc(xv.row_major ? n : 0, dweight != nullptr);
