@@ -72,6 +72,44 @@ TYPED_TEST(MomentsTest, RowMomentsAnyLengthAnyAlignment) {
   }
 }
 
+// rows_moments: short rows go through the grouped kernel, long ones through
+// row_moments. Each row against two-pass double, and bit for bit the same
+// alone (at an unaligned address) as inside a batch of any size.
+TYPED_TEST(MomentsTest, RowsMomentsMatchTwoPassAndIgnoreNeighbours) {
+  using T = TypeParam;
+  for (Index n : awkward_lengths()) {
+    for (double offset : {0.0, 1e4}) {
+      const Index rows = 11;
+      const auto v = randn<T>(static_cast<std::size_t>(rows * n), unsigned(n + 5), offset, 1.0);
+      std::vector<Welford<double>> all(static_cast<std::size_t>(rows));
+      normcore::rows_moments(v.data(), n, n, rows, all.data());
+      for (Index r = 0; r < rows; ++r) {
+        const T* x = v.data() + r * n;
+        SCOPED_TRACE(::testing::Message() << "n=" << n << " offset=" << offset << " row=" << r);
+        const auto& w = all[static_cast<std::size_t>(r)];
+        const TwoPass ref = two_pass(x, n);
+        EXPECT_EQ(w.count(), double(n));
+        EXPECT_NEAR(double(x[0]) + w.mean(), ref.mean,
+                    tol_elem<T>(std::fabs(offset) + 1.0, double(n)) + tol<double>(std::fabs(offset) + 1.0, double(n)));
+        EXPECT_NEAR(w.m2(), ref.m2, tol_elem<T>(ref.m2 + 1e-30, double(n)) + tol<double>(ref.m2, double(n)));
+        // Alone, one element past an aligned address; and in a batch of 3
+        // starting at this row (other neighbours, other group position).
+        std::vector<T> one(static_cast<std::size_t>(n + 1));
+        std::copy(x, x + n, one.begin() + 1);
+        Welford<double> w1;
+        normcore::rows_moments(one.data() + 1, n, n, 1, &w1);
+        Welford<double> w3[3];
+        const Index count3 = std::min<Index>(3, rows - r);
+        normcore::rows_moments(x, n, n, count3, w3);
+        for (const Welford<double>* o : {&w1, &w3[0]}) {
+          EXPECT_EQ(o->m2(), w.m2());
+          EXPECT_EQ(o->mean(), w.mean());
+        }
+      }
+    }
+  }
+}
+
 TYPED_TEST(MomentsTest, LongRowsFlushChunksToDouble) {
   using T = TypeParam;
   const Index n = 200003;  // many chunks of kChunk updates per lane

@@ -339,16 +339,36 @@ class LayerNorm {
   }
 
   // `count` rows of n contiguous values; mean/rstd (optional) per row.
+  // Short rows: statistics for a group of rows, then their normalization
+  // (the group is still in L1). Long rows: one row at a time.
   void forward_rows(const T* x, T* out, Index n, Index count, T* mean, T* rstd, const T* g,
                     const T* b) const {
+    const Index group = n < detail::kShortRowPackets * detail::simd<T>::L ? kCoeffGroup : 1;
+    detail::NormCoeffs<T> k[kCoeffGroup];
+    for (Index r0 = 0; r0 < count; r0 += group) {
+      const Index m = std::min(group, count - r0);
+      row_coeffs(x + r0 * n, n, m, k);
+      for (Index i = 0; i < m; ++i) {
+        if (mean) mean[r0 + i] = k[i].mean;
+        if (rstd) rstd[r0 + i] = k[i].rstd;
+        detail::normalize_span(x + (r0 + i) * n, out + (r0 + i) * n, n, k[i], g, b);
+      }
+    }
+  }
+
+  // Normalization coefficients of count <= kCoeffGroup contiguous rows of
+  // n values (pivot: each row's first value). The one place the forward and
+  // the backward's recomputation get their statistics, so they agree bit
+  // for bit.
+  static constexpr Index kCoeffGroup = 8;
+  void row_coeffs(const T* x, Index n, Index count, detail::NormCoeffs<T>* k) const {
     const double eps = options_.eps();
-    for (Index r = 0; r < count; ++r) {
-      const T* xr = x + r * n;
-      const Welford<double> w = checked_row_moments(xr, n, xr[0], eps);
-      const auto k = detail::norm_coeffs<T>(xr[0], w.mean(), w.variance(), eps);
-      if (mean) mean[r] = k.mean;
-      if (rstd) rstd[r] = k.rstd;
-      detail::normalize_span(xr, out + r * n, n, k, g, b);
+    Welford<double> w[kCoeffGroup];
+    rows_moments(x, n, n, count, w);
+    for (Index i = 0; i < count; ++i) {
+      const T* xr = x + i * n;
+      if (detail::needs_exact_moments(w[i], xr, n, 1, eps)) w[i] = exact_moments(xr, n, 1, xr[0]);
+      k[i] = detail::norm_coeffs<T>(xr[0], w[i].mean(), w[i].variance(), eps);
     }
   }
 
@@ -471,25 +491,27 @@ class LayerNorm {
       detail::run_parts(device, parts, [&](Index p) {
         const Index r0 = gsplit.begin(psplit.begin(p)), r1 = gsplit.begin(psplit.begin(p + 1));
         std::vector<T> row(wide ? static_cast<std::size_t>(n) : 0);
-        for (Index r = r0; r < r1; ++r) {
-          Welford<double> w;
-          T piv;
+        detail::NormCoeffs<T> k[kCoeffGroup];
+        for (Index r = r0; r < r1;) {
+          Index m = 1;
           if constexpr (wide) {
             detail::convert_n(xv.data + r * n, row.data(), n);
-            piv = row[0];
-            w = checked_row_moments(row.data(), n, piv, options_.eps());
+            row_coeffs(row.data(), n, 1, k);
           } else if (xv.row_major) {
-            piv = xv.data[r * n];
-            w = checked_row_moments(xv.data + r * n, n, piv, options_.eps());
+            m = std::min(kCoeffGroup, r1 - r);
+            row_coeffs(xv.data + r * n, n, m, k);
           } else {
-            piv = xv.data[r];
+            const T piv = xv.data[r];
+            Welford<double> w;
             lane_moments(xv.data + r, rows, n, Index(1), &piv, &w);
             if (detail::needs_exact_moments(w, xv.data + r, n, rows, options_.eps()))
               w = exact_moments(xv.data + r, n, rows, piv);
+            k[0] = detail::norm_coeffs<T>(piv, w.mean(), w.variance(), options_.eps());
           }
-          const auto k = detail::norm_coeffs<T>(piv, w.mean(), w.variance(), options_.eps());
-          sm[r] = k.mean;
-          sr[r] = k.rstd;
+          for (Index i = 0; i < m; ++i, ++r) {
+            sm[r] = k[i].mean;
+            sr[r] = k[i].rstd;
+          }
         }
       });
       mean = sm;

@@ -218,6 +218,137 @@ Welford<double> row_moments(const T* x, Index n, T pivot) {
   return detail::row_moments_acc<T, 1>(x, n, pivot);
 }
 
+namespace detail {
+
+/// Rows shorter than this many packets are taken a group at a time by
+/// rows_moments: their own Welford chains are too short to fill the
+/// pipelines, and merging their lanes one row at a time is mostly latency.
+constexpr Index kShortRowPackets = 16;
+
+/// Moments of simd<double>::L short rows (n < kShortRowPackets packets) side
+/// by side, each shifted by its first value; out[r] in shifted coordinates.
+/// Every operation is vertical across the rows, so a row's result depends
+/// only on its own values and on n, never on the rows it is grouped with.
+///   1. One Welford accumulator per row, the rows interleaved: the group's
+///      chains are independent, so the loop runs at throughput, not latency.
+///   2. The lane states are widened to double and transposed (lane-major,
+///      one double packet per lane holds that lane of every row).
+///   3. merge_equal's closed form, in double, summing the lanes by halving
+///      (lane l += lane l + h for h = L/2, ..., 1): the same tree on every
+///      ISA. Then the tail (< L values), two-pass in double, per row.
+template <typename T>
+void short_rows_moments(const T* const* rows, Index n, Welford<double>* out) {
+  using namespace Eigen::internal;
+  using Packet = typename simd<T>::Packet;
+  using PD = typename simd<double>::Packet;
+  constexpr int L = simd<T>::L;
+  constexpr int R = simd<double>::L;  // rows per group
+  static_assert((L & (L - 1)) == 0, "packet sizes are powers of two");
+  const auto& recip = reciprocals<T>::table;
+  const Index packets = n / L;
+  // 1. Lane-wise Welford, R independent chains.
+  Packet mean[R];
+  Packet m2[R];
+  for (int r = 0; r < R; ++r) mean[r] = m2[r] = pset1<Packet>(T(0));
+  for (Index p = 0; p < packets; ++p) {
+    const Packet inv = pset1<Packet>(recip[static_cast<std::size_t>(p + 1)]);
+    for (int r = 0; r < R; ++r) {
+      const Packet d = psub(ploadu<Packet>(rows[r] + p * L), pset1<Packet>(rows[r][0]));
+      const Packet delta = psub(d, mean[r]);
+      mean[r] = pmadd(delta, inv, mean[r]);
+      m2[r] = pmadd(delta, psub(d, mean[r]), m2[r]);
+    }
+  }
+  alignas(64) double mu[R];
+  alignas(64) double q[R];
+  if (packets > 0) {
+    // 2. Widen and transpose: lane l of row r at [l * R + r].
+    alignas(64) double mt[L * R];
+    alignas(64) double qt[L * R];
+    for (int r = 0; r < R; ++r) {
+      alignas(64) T a[L];
+      alignas(64) T b[L];
+      pstore(a, mean[r]);
+      pstore(b, m2[r]);
+      for (int l = 0; l < L; ++l) {
+        mt[l * R + r] = static_cast<double>(a[l]);
+        qt[l * R + r] = static_cast<double>(b[l]);
+      }
+    }
+    // 3. Sum of the lane means and of the lane M2s by halving; then the
+    //    spread of the lane means about their mean.
+    alignas(64) double st[L * R];
+    for (int l = 0; l < L * R; ++l) st[l] = mt[l];
+    for (int h = L / 2; h >= 1; h /= 2) {
+      for (int l = 0; l < h; ++l) {
+        pstore(st + l * R, padd(pload<PD>(st + l * R), pload<PD>(st + (l + h) * R)));
+        pstore(qt + l * R, padd(pload<PD>(qt + l * R), pload<PD>(qt + (l + h) * R)));
+      }
+    }
+    const PD avg = pdiv(pload<PD>(st), pset1<PD>(static_cast<double>(L)));
+    for (int l = 0; l < L; ++l) {
+      const PD e = psub(pload<PD>(mt + l * R), avg);
+      pstore(mt + l * R, pmul(e, e));
+    }
+    for (int h = L / 2; h >= 1; h /= 2) {
+      for (int l = 0; l < h; ++l) pstore(mt + l * R, padd(pload<PD>(mt + l * R), pload<PD>(mt + (l + h) * R)));
+    }
+    const PD k = pset1<PD>(static_cast<double>(packets));
+    pstore(mu, avg);
+    pstore(q, padd(pload<PD>(qt), pmul(k, pload<PD>(mt))));
+  }
+  // Tail (< L values): exact two-pass in double, then one merge.
+  const Index full = packets * L;
+  const Index rest = n - full;
+  for (int r = 0; r < R; ++r) {
+    Welford<double> total;
+    if (packets > 0) total = Welford<double>(static_cast<double>(full), mu[r], q[r]);
+    if (rest > 0) {
+      const T* x = rows[r];
+      const double pivot = static_cast<double>(x[0]);
+      double sum = 0;
+      for (Index j = full; j < n; ++j) sum += static_cast<double>(x[j]) - pivot;
+      const double m = sum / static_cast<double>(rest);
+      double qq = 0;
+      for (Index j = full; j < n; ++j) {
+        const double d = static_cast<double>(x[j]) - pivot - m;
+        qq += d * d;
+      }
+      total.merge(Welford<double>(static_cast<double>(rest), m, qq));
+    }
+    out[r] = total;
+  }
+}
+
+}  // namespace detail
+
+/// Moments of `count` rows of n contiguous values, row r at x + r * ld, each
+/// shifted by its first value (out[r] is in shifted coordinates, as
+/// row_moments(row, n, row[0]) returns). Short rows are taken in groups
+/// (detail::short_rows_moments; a partial group repeats its last row), long
+/// rows one at a time by row_moments. Either way a row's result depends only
+/// on its values and n: not on count, on its neighbours or on threads.
+template <typename T>
+void rows_moments(const T* x, Index n, Index ld, Index count, Welford<double>* out) {
+  constexpr int L = detail::simd<T>::L;
+  if (n <= 0) {
+    for (Index r = 0; r < count; ++r) out[r] = Welford<double>();
+    return;
+  }
+  if (n >= detail::kShortRowPackets * L) {
+    for (Index r = 0; r < count; ++r) out[r] = row_moments(x + r * ld, n, x[r * ld]);
+    return;
+  }
+  constexpr int R = detail::simd<double>::L;
+  for (Index r0 = 0; r0 < count; r0 += R) {
+    const T* rows[R];
+    Welford<double> w[R];
+    for (int r = 0; r < R; ++r) rows[r] = x + std::min<Index>(r0 + r, count - 1) * ld;
+    detail::short_rows_moments(rows, n, w);
+    for (Index r = 0; r < R && r0 + r < count; ++r) out[r0 + r] = w[r];
+  }
+}
+
 /// Moments of one contiguous row (pivot: its first element); the returned
 /// state is in absolute coordinates (mean = mean(x)).
 template <typename T>
