@@ -110,6 +110,34 @@ TYPED_TEST(MomentsTest, RowsMomentsMatchTwoPassAndIgnoreNeighbours) {
   }
 }
 
+// rows_sum_squares (RMSNorm's statistic): against a double sum, and bit for
+// bit the same alone as inside a batch.
+TYPED_TEST(MomentsTest, RowsSumSquaresMatchDoubleAndIgnoreNeighbours) {
+  using T = TypeParam;
+  for (Index n : awkward_lengths()) {
+    const Index rows = 11;
+    const auto v = randn<T>(static_cast<std::size_t>(rows * n), unsigned(n + 9), 0.5, 2.0);
+    std::vector<double> all(static_cast<std::size_t>(rows));
+    normcore::rows_sum_squares(v.data(), n, n, rows, all.data());
+    for (Index r = 0; r < rows; ++r) {
+      const T* x = v.data() + r * n;
+      SCOPED_TRACE(::testing::Message() << "n=" << n << " row=" << r);
+      double ref = 0;
+      for (Index j = 0; j < n; ++j) ref += double(x[j]) * double(x[j]);
+      const double got = all[static_cast<std::size_t>(r)];
+      EXPECT_NEAR(got, ref, tol_elem<T>(ref, double(n)) + tol<double>(ref, double(n)));
+      std::vector<T> one(static_cast<std::size_t>(n + 1));
+      std::copy(x, x + n, one.begin() + 1);
+      double alone = 0;
+      normcore::rows_sum_squares(one.data() + 1, n, n, 1, &alone);
+      double three[3];
+      normcore::rows_sum_squares(x, n, n, std::min<Index>(3, rows - r), three);
+      EXPECT_EQ(alone, got);
+      EXPECT_EQ(three[0], got);
+    }
+  }
+}
+
 TYPED_TEST(MomentsTest, LongRowsFlushChunksToDouble) {
   using T = TypeParam;
   const Index n = 200003;  // many chunks of kChunk updates per lane

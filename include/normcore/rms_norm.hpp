@@ -60,39 +60,47 @@ class RMSNormOptions {
 
 namespace detail {
 
+/// The type rstd is computed and carried in before it is rounded to T:
+/// double for float rows (its 53 bits are ample for a result rounded to 24,
+/// its range holds every float row's scaled sums, and its sqrt and division
+/// are several times faster), long double for double rows.
+template <typename T>
+using rstd_t = std::conditional_t<(std::numeric_limits<T>::digits < 53), double, long double>;
+
 /// 1/sqrt(sum_sq/n + eps) for a row whose squares were summed in T (sum_sq).
 /// If that sum overflowed, or is so small that squares may have lost bits to
 /// underflow, the row is summed again exactly: scaled by 2^-ilogb(max|x|) in
-/// long double. The result is in long double: it may lie outside T's range.
+/// rstd_t<T>. The result may lie outside T's range.
 template <typename T>
-long double rms_rstd(const T* x, Index n, Index stride, double sum_sq, double eps) {
+rstd_t<T> rms_rstd(const T* x, Index n, Index stride, double sum_sq, double eps) {
+  using W = rstd_t<T>;
   constexpr double kSafeLow = static_cast<double>(std::numeric_limits<T>::min()) *
                               static_cast<double>(1ULL << std::numeric_limits<T>::digits);
-  const long double ld_eps = static_cast<long double>(eps);
+  const W w_eps = static_cast<W>(eps);
   if (std::isfinite(sum_sq) && sum_sq >= kSafeLow) {
-    return 1.0L / std::sqrt(static_cast<long double>(sum_sq) / static_cast<long double>(n) + ld_eps);
+    return W(1) / std::sqrt(static_cast<W>(sum_sq) / static_cast<W>(n) + w_eps);
   }
   const T amax = max_abs(x, n, stride);
-  if (!std::isfinite(amax)) return 1.0L / std::sqrt(static_cast<long double>(sum_sq) + ld_eps);
-  if (amax == T(0)) return 1.0L / std::sqrt(ld_eps);
+  if (!std::isfinite(amax)) return W(1) / std::sqrt(static_cast<W>(sum_sq) + w_eps);
+  if (amax == T(0)) return W(1) / std::sqrt(w_eps);
   const int e = std::ilogb(amax);
-  long double ss = 0;
+  W ss = 0;
   for (Index i = 0; i < n; ++i) {
-    const long double v = std::ldexp(static_cast<long double>(x[i * stride]), -e);
+    const W v = std::ldexp(static_cast<W>(x[i * stride]), -e);
     ss += v * v;
   }
   // mean(x^2) = ss/n * 2^(2e); eps is added at that scale.
-  const long double ms = ss / static_cast<long double>(n);
-  const long double scaled = ms + std::ldexp(ld_eps, -2 * e);
-  return std::ldexp(1.0L / std::sqrt(scaled), -e);
+  const W ms = ss / static_cast<W>(n);
+  const W scaled = ms + std::ldexp(w_eps, -2 * e);
+  return std::ldexp(W(1) / std::sqrt(scaled), -e);
 }
 
 /// True when r, rounded to T, is a normal number (so x * r is safe in T).
-template <typename T>
-bool normal_in(long double r) {
-  const long double a = std::fabs(r);
-  return a >= static_cast<long double>(std::numeric_limits<T>::min()) &&
-         a <= static_cast<long double>(std::numeric_limits<T>::max());
+template <typename T, typename W>
+bool normal_in(W r) {
+  const W a = std::fabs(r);
+  return a >= static_cast<W>(std::numeric_limits<T>::min()) &&
+         a <= static_cast<W>(std::numeric_limits<T>::max());
 }
 
 }  // namespace detail
@@ -232,10 +240,11 @@ class RMSNorm {
   static constexpr const char* kWho = "normcore::RMSNorm";
   static constexpr Index kRowBlock = 64;
   static constexpr Index kGroups = 16;
+  using W = detail::rstd_t<T>;  // rstd before rounding to T
 
-  /// rstd of ColMajor rows [r0, r1) into r[r0..r1), in long double (exact
+  /// rstd of ColMajor rows [r0, r1) into r[r0..r1), in W (exact
   /// path for extreme rows); r0 is a multiple of the packet size.
-  void lane_rstd(const detail::Matrix2D<T>& xv, Index r0, Index r1, long double* r) const {
+  void lane_rstd(const detail::Matrix2D<T>& xv, Index r0, Index r1, W* r) const {
     using namespace Eigen::internal;
     using Packet = typename detail::simd<T>::Packet;
     constexpr int L = detail::simd<T>::L;
@@ -271,8 +280,22 @@ class RMSNorm {
     }
   }
 
-  long double row_rstd(const T* xr, Index n) const {
-    return detail::rms_rstd(xr, n, 1, row_sum_squares(xr, n), eps_);
+  // rstd of count contiguous rows of n values: the one place the forward
+  // and the backward's recomputation get it, so they agree bit for bit.
+  // Short rows are summed a group at a time (rows_sum_squares).
+  static constexpr Index kRstdGroup = 8;
+  void rows_rstd(const T* x, Index n, Index count, W* r) const {
+    double ss[kRstdGroup];
+    for (Index r0 = 0; r0 < count; r0 += kRstdGroup) {
+      const Index m = std::min(kRstdGroup, count - r0);
+      rows_sum_squares(x + r0 * n, n, n, m, ss);
+      for (Index i = 0; i < m; ++i) r[r0 + i] = detail::rms_rstd(x + (r0 + i) * n, n, 1, ss[i], eps_);
+    }
+  }
+  W row_rstd(const T* xr, Index n) const {
+    W r;
+    rows_rstd(xr, n, 1, &r);
+    return r;
   }
 
   template <typename Device, typename X, typename Y>
@@ -321,10 +344,10 @@ class RMSNorm {
       const auto pv = detail::param_view(true, options_.normalized_shape(), prm.gamma,
                                          static_cast<const T*>(nullptr), n);
       const T* g = pv.gamma;
-      std::vector<long double> r(static_cast<std::size_t>(rows));
+      std::vector<W> r(static_cast<std::size_t>(rows));
       // Rows whose rstd is not a normal T: exact scalar path in long double.
       auto exact_row = [&](Index i) {
-        const long double ri = r[static_cast<std::size_t>(i)];
+        const W ri = r[static_cast<std::size_t>(i)];
         for (Index j = 0; j < n; ++j) {
           long double v = static_cast<long double>(xv.data[i + j * rows]) * ri;
           if (g) v *= static_cast<long double>(g[j]);
@@ -339,7 +362,7 @@ class RMSNorm {
         // Packets of rows; leftover rows padded; abnormal rows redone.
         std::vector<T> rt(static_cast<std::size_t>(r1 - r0));
         for (Index i = r0; i < r1; ++i) {
-          const long double ri = r[static_cast<std::size_t>(i)];
+          const W ri = r[static_cast<std::size_t>(i)];
           rt[static_cast<std::size_t>(i - r0)] = detail::normal_in<T>(ri) ? static_cast<T>(ri) : T(0);
         }
         auto lanes = [&](const T* xb, T* yb, Index ld, const T* rb) {
@@ -371,10 +394,13 @@ class RMSNorm {
     using namespace Eigen::internal;
     using Packet = typename detail::simd<T>::Packet;
     constexpr int L = detail::simd<T>::L;
+    const Index group = n < detail::kShortRowPackets * L ? kRstdGroup : 1;
+    W rg[kRstdGroup];
     for (Index i = 0; i < count; ++i) {
       const T* xr = x + i * n;
       T* yr = out + i * n;
-      const long double ri = row_rstd(xr, n);
+      if (i % group == 0) rows_rstd(xr, n, std::min(group, count - i), rg);
+      const W ri = rg[i % group];
       if (rsave) rsave[i] = static_cast<T>(ri);
       if (!detail::normal_in<T>(ri)) {  // exact scalar path in long double
         for (Index j = 0; j < n; ++j) {
@@ -437,7 +463,7 @@ class RMSNorm {
     detail::run_parts(device, parts, [&](Index p) {
       const Index sb = wide ? detail::backward_stage_rows(n, kRowBlock) : 0;
       std::vector<T> buf(static_cast<std::size_t>(4 * sb * n));
-      std::vector<long double> r;
+      std::vector<W> r;
       GradAcc gacc(xv.row_major ? n : 0, dweight != nullptr);
       for (Index gi = psplit.begin(p); gi < psplit.begin(p + 1); ++gi) {
         const Index g0 = gsplit.begin(gi), g1 = gsplit.begin(gi + 1);
@@ -472,10 +498,14 @@ class RMSNorm {
             }
             // rstd: saved (a saturated one is recomputed exactly), or recomputed.
             r.resize(static_cast<std::size_t>(m));
-            for (Index i = 0; i < m; ++i) {
-              long double ri = saved ? static_cast<long double>(saved->rstd(b0 + i)) : 0.0L;
-              if (!saved || !detail::normal_in<T>(ri)) ri = row_rstd(bx + i * n, n);
-              r[static_cast<std::size_t>(i)] = ri;
+            if (saved) {
+              for (Index i = 0; i < m; ++i) {
+                W ri = static_cast<W>(saved->rstd(b0 + i));
+                if (!detail::normal_in<T>(ri)) ri = row_rstd(bx + i * n, n);
+                r[static_cast<std::size_t>(i)] = ri;
+              }
+            } else {
+              rows_rstd(bx, n, m, r.data());
             }
             backward_rows(bx, bdy, bdx, m, n, r.data(), g, dwp, bdh, gacc);
             if constexpr (wide) {
@@ -507,7 +537,7 @@ class RMSNorm {
     }
   }
 
-  // `count` RowMajor rows with rstd r (long double; a row whose rstd is not a
+  // `count` RowMajor rows with rstd r (in W; a row whose rstd is not a
   // normal T takes the exact path); dw sums dy * x_hat over blocks of
   // kRowBlock rows in T, each block added into dwp in double; dh (optional)
   // is added to dx.
@@ -526,7 +556,7 @@ class RMSNorm {
     }
   };
 
-  static void backward_rows(const T* x, const T* dy, T* dx, Index count, Index n, const long double* r,
+  static void backward_rows(const T* x, const T* dy, T* dx, Index count, Index n, const W* r,
                             const T* g, double* dwp, const T* dh, GradAcc& gacc) {
     using namespace Eigen::internal;
     using Packet = typename detail::simd<T>::Packet;
@@ -537,7 +567,7 @@ class RMSNorm {
       for (Index i = b0; i < b1; ++i) {
         const T* xr = x + i * n;
         const T* gr = dy + i * n;
-        const long double ri = r[i];
+        const W ri = r[i];
         if (!detail::normal_in<T>(ri)) {
           long double sgx = 0;
           for (Index j = 0; j < n; ++j) {
@@ -615,7 +645,7 @@ class RMSNorm {
     using Packet = typename detail::simd<T>::Packet;
     constexpr int L = detail::simd<T>::L;
     const Index rows = xv.rows, n = xv.cols;
-    std::vector<long double> r(static_cast<std::size_t>(rows));
+    std::vector<W> r(static_cast<std::size_t>(rows));
     if (saved) {
       bool any = false;
       for (Index i = g0; i < g1; ++i) {
@@ -623,7 +653,7 @@ class RMSNorm {
         any = any || !detail::normal_in<T>(r[static_cast<std::size_t>(i)]);
       }
       if (any) {
-        std::vector<long double> full(static_cast<std::size_t>(rows));
+        std::vector<W> full(static_cast<std::size_t>(rows));
         lane_rstd(xv, g0, g1, full.data());
         for (Index i = g0; i < g1; ++i)
           if (!detail::normal_in<T>(r[static_cast<std::size_t>(i)])) r[static_cast<std::size_t>(i)] = full[static_cast<std::size_t>(i)];
@@ -632,7 +662,7 @@ class RMSNorm {
       lane_rstd(xv, g0, g1, r.data());
     }
     auto exact_row = [&](Index i) {
-      const long double ri = r[static_cast<std::size_t>(i)];
+      const W ri = r[static_cast<std::size_t>(i)];
       long double sgx = 0;
       for (Index j = 0; j < n; ++j) {
         const long double gj = static_cast<long double>(dyp[i + j * rows]) * (g ? static_cast<long double>(g[j]) : 1.0L);
@@ -648,7 +678,7 @@ class RMSNorm {
     };
     std::vector<T> rt(static_cast<std::size_t>(g1 - g0));
     for (Index i = g0; i < g1; ++i) {
-      const long double ri = r[static_cast<std::size_t>(i)];
+      const W ri = r[static_cast<std::size_t>(i)];
       rt[static_cast<std::size_t>(i - g0)] = detail::normal_in<T>(ri) ? static_cast<T>(ri) : T(0);
     }
     auto lanes = [&](const T* xb, const T* dyb, T* dxb, Index ld, const T* rb, Index active) {

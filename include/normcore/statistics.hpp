@@ -456,6 +456,67 @@ double row_sum_squares(const T* x, Index n) {
   return total;
 }
 
+namespace detail {
+
+/// Sums of squares of simd<double>::L short rows (n < kShortRowPackets
+/// packets) side by side, as short_rows_moments: one accumulator per row,
+/// the lanes widened, transposed and summed by halving in double, then the
+/// tail in double. A row's result depends only on its values and n.
+template <typename T>
+void short_rows_sum_squares(const T* const* rows, Index n, double* out) {
+  using namespace Eigen::internal;
+  using Packet = typename simd<T>::Packet;
+  using PD = typename simd<double>::Packet;
+  constexpr int L = simd<T>::L;
+  constexpr int R = simd<double>::L;
+  const Index packets = n / L;
+  Packet acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = pset1<Packet>(T(0));
+  for (Index p = 0; p < packets; ++p) {
+    for (int r = 0; r < R; ++r) {
+      const Packet v = ploadu<Packet>(rows[r] + p * L);
+      acc[r] = pmadd(v, v, acc[r]);
+    }
+  }
+  alignas(64) double st[L * R];
+  for (int r = 0; r < R; ++r) {
+    alignas(64) T a[L];
+    pstore(a, acc[r]);
+    for (int l = 0; l < L; ++l) st[l * R + r] = static_cast<double>(a[l]);
+  }
+  for (int h = L / 2; h >= 1; h /= 2) {
+    for (int l = 0; l < h; ++l) pstore(st + l * R, padd(pload<PD>(st + l * R), pload<PD>(st + (l + h) * R)));
+  }
+  for (int r = 0; r < R; ++r) {
+    double total = st[r];
+    for (Index j = packets * L; j < n; ++j) total += static_cast<double>(rows[r][j]) * static_cast<double>(rows[r][j]);
+    out[r] = total;
+  }
+}
+
+}  // namespace detail
+
+/// row_sum_squares of `count` rows of n values, row r at x + r * ld. Short
+/// rows go a group at a time (detail::short_rows_sum_squares; a partial
+/// group repeats its last row); a row's result depends only on its values
+/// and n, not on count, its neighbours or threads.
+template <typename T>
+void rows_sum_squares(const T* x, Index n, Index ld, Index count, double* out) {
+  constexpr int L = detail::simd<T>::L;
+  if (n >= detail::kShortRowPackets * L || n <= 0) {
+    for (Index r = 0; r < count; ++r) out[r] = row_sum_squares(x + r * ld, n);
+    return;
+  }
+  constexpr int R = detail::simd<double>::L;
+  for (Index r0 = 0; r0 < count; r0 += R) {
+    const T* rows[R];
+    double ss[R];
+    for (int r = 0; r < R; ++r) rows[r] = x + std::min<Index>(r0 + r, count - 1) * ld;
+    detail::short_rows_sum_squares(rows, n, ss);
+    for (Index r = 0; r < R && r0 + r < count; ++r) out[r0 + r] = ss[r];
+  }
+}
+
 /// max |x[i]|, NaN if any x[i] is NaN.
 template <typename T>
 T max_abs(const T* x, Index n, Index stride = 1) {
