@@ -363,13 +363,18 @@ class LayerNorm {
   static constexpr Index kCoeffGroup = 8;
   void row_coeffs(const T* x, Index n, Index count, detail::NormCoeffs<T>* k) const {
     const double eps = options_.eps();
+    static_assert(kCoeffGroup <= detail::kInvSqrtGroup, "one inv_sqrt_eps per group");
     Welford<double> w[kCoeffGroup];
+    double var[kCoeffGroup];
+    double r[kCoeffGroup];
     rows_moments(x, n, n, count, w);
     for (Index i = 0; i < count; ++i) {
       const T* xr = x + i * n;
       if (detail::needs_exact_moments(w[i], xr, n, 1, eps)) w[i] = exact_moments(xr, n, 1, xr[0]);
-      k[i] = detail::norm_coeffs<T>(xr[0], w[i].mean(), w[i].variance(), eps);
+      var[i] = w[i].variance();
     }
+    detail::inv_sqrt_eps(var, eps, count, r);
+    for (Index i = 0; i < count; ++i) k[i] = detail::norm_coeffs_r<T>(x[i * n], w[i].mean(), var[i], r[i]);
   }
 
   // Checks the backward's arguments and takes views; 16-bit ColMajor data

@@ -71,13 +71,20 @@ using rstd_t = std::conditional_t<(std::numeric_limits<T>::digits < 53), double,
 /// If that sum overflowed, or is so small that squares may have lost bits to
 /// underflow, the row is summed again exactly: scaled by 2^-ilogb(max|x|) in
 /// rstd_t<T>. The result may lie outside T's range.
+/// True when a row's sum of squares in T neither overflowed nor lost bits
+/// to underflow: rstd follows from it directly.
+template <typename T>
+bool rms_sum_in_range(double sum_sq) {
+  constexpr double kSafeLow = static_cast<double>(std::numeric_limits<T>::min()) *
+                              static_cast<double>(1ULL << std::numeric_limits<T>::digits);
+  return std::isfinite(sum_sq) && sum_sq >= kSafeLow;
+}
+
 template <typename T>
 rstd_t<T> rms_rstd(const T* x, Index n, Index stride, double sum_sq, double eps) {
   using W = rstd_t<T>;
-  constexpr double kSafeLow = static_cast<double>(std::numeric_limits<T>::min()) *
-                              static_cast<double>(1ULL << std::numeric_limits<T>::digits);
   const W w_eps = static_cast<W>(eps);
-  if (std::isfinite(sum_sq) && sum_sq >= kSafeLow) {
+  if (rms_sum_in_range<T>(sum_sq)) {
     return W(1) / std::sqrt(static_cast<W>(sum_sq) / static_cast<W>(n) + w_eps);
   }
   const T amax = max_abs(x, n, stride);
@@ -285,10 +292,25 @@ class RMSNorm {
   // Short rows are summed a group at a time (rows_sum_squares).
   static constexpr Index kRstdGroup = 8;
   void rows_rstd(const T* x, Index n, Index count, W* r) const {
+    static_assert(kRstdGroup <= detail::kInvSqrtGroup, "one inv_sqrt_eps per group");
     double ss[kRstdGroup];
     for (Index r0 = 0; r0 < count; r0 += kRstdGroup) {
       const Index m = std::min(kRstdGroup, count - r0);
       rows_sum_squares(x + r0 * n, n, n, m, ss);
+      if constexpr (std::is_same<W, double>::value) {
+        // The common case, every row's sum in range: one vector sqrt and
+        // division for the group, the same bits as rms_rstd's.
+        bool plain = true;
+        double ms[kRstdGroup];
+        for (Index i = 0; i < m; ++i) {
+          plain = plain && detail::rms_sum_in_range<T>(ss[i]);
+          ms[i] = ss[i] / static_cast<double>(n);
+        }
+        if (plain) {
+          detail::inv_sqrt_eps(ms, eps_, m, r + r0);
+          continue;
+        }
+      }
       for (Index i = 0; i < m; ++i) r[r0 + i] = detail::rms_rstd(x + (r0 + i) * n, n, 1, ss[i], eps_);
     }
   }

@@ -235,7 +235,8 @@ constexpr Index kShortRowPackets = 16;
 ///      one double packet per lane holds that lane of every row).
 ///   3. merge_equal's closed form, in double, summing the lanes by halving
 ///      (lane l += lane l + h for h = L/2, ..., 1): the same tree on every
-///      ISA. Then the tail (< L values), two-pass in double, per row.
+///      ISA.
+///   4. The tail (< L values), two-pass in double, merged by Chan's formula.
 template <typename T>
 void short_rows_moments(const T* const* rows, Index n, Welford<double>* out) {
   using namespace Eigen::internal;
@@ -297,27 +298,43 @@ void short_rows_moments(const T* const* rows, Index n, Welford<double>* out) {
     pstore(mu, avg);
     pstore(q, padd(pload<PD>(qt), pmul(k, pload<PD>(mt))));
   }
-  // Tail (< L values): exact two-pass in double, then one merge.
+  // 4. Tail (< L values): two-pass in double per row, then Chan's merge with
+  //    the packets' state, vertical across the rows.
   const Index full = packets * L;
   const Index rest = n - full;
-  for (int r = 0; r < R; ++r) {
-    Welford<double> total;
-    if (packets > 0) total = Welford<double>(static_cast<double>(full), mu[r], q[r]);
-    if (rest > 0) {
-      const T* x = rows[r];
-      const double pivot = static_cast<double>(x[0]);
+  if (rest > 0) {
+    alignas(64) double tm[R];
+    alignas(64) double tq[R];
+    for (int r = 0; r < R; ++r) {
+      const double pivot = static_cast<double>(rows[r][0]);
       double sum = 0;
-      for (Index j = full; j < n; ++j) sum += static_cast<double>(x[j]) - pivot;
-      const double m = sum / static_cast<double>(rest);
+      for (Index j = full; j < n; ++j) sum += static_cast<double>(rows[r][j]) - pivot;
+      tm[r] = sum;
+    }
+    pstore(tm, pdiv(pload<PD>(tm), pset1<PD>(static_cast<double>(rest))));
+    for (int r = 0; r < R; ++r) {
+      const double pivot = static_cast<double>(rows[r][0]);
       double qq = 0;
       for (Index j = full; j < n; ++j) {
-        const double d = static_cast<double>(x[j]) - pivot - m;
+        const double d = static_cast<double>(rows[r][j]) - pivot - tm[r];
         qq += d * d;
       }
-      total.merge(Welford<double>(static_cast<double>(rest), m, qq));
+      tq[r] = qq;
     }
-    out[r] = total;
+    if (packets > 0) {
+      // mean += delta * rest/n; M2 += M2_tail + delta^2 * full * rest/n.
+      const PD fb = pset1<PD>(static_cast<double>(rest) / static_cast<double>(n));
+      const PD m0 = pload<PD>(mu);
+      const PD delta = psub(pload<PD>(tm), m0);
+      pstore(mu, padd(m0, pmul(delta, fb)));
+      const PD spread = pmul(pmul(pmul(delta, delta), pset1<PD>(static_cast<double>(full))), fb);
+      pstore(q, padd(padd(pload<PD>(q), pload<PD>(tq)), spread));
+    } else {
+      pstore(mu, pload<PD>(tm));
+      pstore(q, pload<PD>(tq));
+    }
   }
+  for (int r = 0; r < R; ++r) out[r] = Welford<double>(static_cast<double>(n), mu[r], q[r]);
 }
 
 }  // namespace detail

@@ -27,13 +27,33 @@ struct NormCoeffs {
   T shift;
 };
 
+/// Largest group inv_sqrt_eps takes at once.
+constexpr Index kInvSqrtGroup = 8;
+
+/// r[i] = 1 / sqrt(v[i] + eps) for i < count <= kInvSqrtGroup, in double
+/// packets: a group of rows pays for one vector sqrt and division instead of
+/// one scalar each. IEEE sqrt and division are correctly rounded, so every
+/// r[i] has the same bits as the scalar expression.
+inline void inv_sqrt_eps(const double* v, double eps, Index count, double* r) {
+  using namespace Eigen::internal;
+  using PD = typename simd<double>::Packet;
+  constexpr int LD = simd<double>::L;
+  static_assert(kInvSqrtGroup % LD == 0, "a group is whole double packets");
+  alignas(64) double a[kInvSqrtGroup];
+  alignas(64) double out[kInvSqrtGroup];
+  for (Index i = 0; i < kInvSqrtGroup; ++i) a[i] = i < count ? v[i] : 1.0;
+  const PD one = pset1<PD>(1.0), pe = pset1<PD>(eps);
+  for (Index i = 0; i < kInvSqrtGroup; i += LD) pstore(out + i, pdiv(one, psqrt(padd(pload<PD>(a + i), pe))));
+  for (Index i = 0; i < count; ++i) r[i] = out[i];
+}
+
 /// Coefficients from a Welford state in pivot-shifted coordinates: the mean
 /// is pivot + mean_shift, kept as two parts so that it is not rounded before
-/// it is used (for T = double there is no wider type to hold it).
+/// it is used (for T = double there is no wider type to hold it). r is
+/// 1 / sqrt(var + eps), computed by the caller (inv_sqrt_eps for a group).
 template <typename T>
-NormCoeffs<T> norm_coeffs(T pivot, double mean_shift, double var, double eps) {
+NormCoeffs<T> norm_coeffs_r(T pivot, double mean_shift, double var, double r) {
   NormCoeffs<T> c;
-  const double r = 1.0 / std::sqrt(var + eps);
   const double mean = static_cast<double>(pivot) + mean_shift;
   c.mean = static_cast<T>(mean);
   c.rstd = static_cast<T>(r);
@@ -43,6 +63,12 @@ NormCoeffs<T> norm_coeffs(T pivot, double mean_shift, double var, double eps) {
   const double rest = static_cast<double>(pivot - c.pivot) + mean_shift;
   c.shift = static_cast<T>(rest * static_cast<double>(c.rstd));
   return c;
+}
+
+/// norm_coeffs_r with r computed here, for one row or channel.
+template <typename T>
+NormCoeffs<T> norm_coeffs(T pivot, double mean_shift, double var, double eps) {
+  return norm_coeffs_r<T>(pivot, mean_shift, var, 1.0 / std::sqrt(var + eps));
 }
 
 /// Normalizes n contiguous values; gamma/beta per element (either may be null).
