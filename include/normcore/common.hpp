@@ -1,6 +1,8 @@
 // normcore: types shared by every layer: saved statistics and gradients.
 #pragma once
 
+#include <vector>
+
 #include <unsupported/Eigen/CXX11/Tensor>
 
 #include "normcore/detail/tensor.hpp"
@@ -34,6 +36,29 @@ namespace detail {
 template <typename T>
 void resize_vector(Eigen::Tensor<T, 1>& v, Index n) {
   if (v.dimension(0) != n) v.resize(n);
+}
+
+/// A parameter gradient from per-group partial sums: part holds `groups`
+/// rows of n doubles; column c becomes 0 + part[0][c] + part[1][c] + ... in
+/// group order (so the result does not depend on threads), rounded to P and
+/// stored at out(perm[c]) (out(c) without perm). part is overwritten. The
+/// loops run along c, so they vectorize.
+template <typename P>
+void emit_group_sums(std::vector<double>& part, Index groups, Index n, const std::vector<Index>* perm,
+                     Eigen::Tensor<P, 1>& out) {
+  resize_vector(out, n);
+  double* t = part.data();
+  for (Index c = 0; c < n; ++c) t[c] = 0.0 + t[c];
+  for (Index gi = 1; gi < groups; ++gi) {
+    const double* g = part.data() + gi * n;
+    for (Index c = 0; c < n; ++c) t[c] += g[c];
+  }
+  if (perm) {
+    for (Index c = 0; c < n; ++c) out((*perm)[static_cast<std::size_t>(c)]) = static_cast<P>(t[c]);
+  } else {
+    P* o = out.data();
+    for (Index c = 0; c < n; ++c) o[c] = static_cast<P>(t[c]);
+  }
 }
 
 template <typename T>

@@ -569,17 +569,8 @@ class LayerNorm {
     std::vector<Index> perm;
     const bool permute = !xv.row_major && options_.normalized_shape().size() > 1;
     if (permute) perm = detail::colmajor_to_rowmajor(options_.normalized_shape());
-    auto emit = [&](Eigen::Tensor<P, 1>* out, const std::vector<double>& part) {
-      if (!out) return;
-      detail::resize_vector(*out, n);
-      for (Index c = 0; c < n; ++c) {
-        double t = 0;
-        for (Index gi = 0; gi < groups; ++gi) t += part[static_cast<std::size_t>(gi * n + c)];
-        (*out)(permute ? perm[static_cast<std::size_t>(c)] : c) = static_cast<P>(t);
-      }
-    };
-    emit(dweight, dw_part);
-    emit(dbias, db_part);
+    if (dweight) detail::emit_group_sums(dw_part, groups, n, permute ? &perm : nullptr, *dweight);
+    if (dbias) detail::emit_group_sums(db_part, groups, n, permute ? &perm : nullptr, *dbias);
   }
 
   static constexpr Index kGroups = 16;

@@ -550,12 +550,7 @@ class RMSNorm {
       std::vector<Index> perm;
       const bool permute = !xv.row_major && options_.normalized_shape().size() > 1;
       if (permute) perm = detail::colmajor_to_rowmajor(options_.normalized_shape());
-      detail::resize_vector(*dweight, n);
-      for (Index c = 0; c < n; ++c) {
-        double t = 0;
-        for (Index gi = 0; gi < groups; ++gi) t += dw_part[static_cast<std::size_t>(gi * n + c)];
-        (*dweight)(permute ? perm[static_cast<std::size_t>(c)] : c) = static_cast<P>(t);
-      }
+      detail::emit_group_sums(dw_part, groups, n, permute ? &perm : nullptr, *dweight);
     }
   }
 
