@@ -303,7 +303,7 @@ class BatchNorm {
   template <typename Device>
   detail::Split segment_split(const Device& device, const View& v) const {
     const Index segs = v.inner == 1 ? v.outer : v.outer * v.C;  // rows (NHWC) or (o, c) segments
-    const Index parts = detail::parts_for(device, v.outer * v.C * v.inner, segs);
+    const Index parts = detail::parts_for(device, v.outer * v.C * v.inner, segs, detail::kPartsPerThread);
     return detail::Split{segs, parts, 1};
   }
 

@@ -318,7 +318,7 @@ class LayerNorm {
     constexpr int L = detail::simd<T>::L;
     const Index n = xv.cols, rows = xv.rows;
     const Index align = xv.row_major ? 1 : L;
-    const Index parts = detail::parts_for(device, rows * n, (rows + align - 1) / align);
+    const Index parts = detail::parts_for(device, rows * n, (rows + align - 1) / align, detail::kPartsPerThread);
     const detail::Split split{rows, parts, align};
     if (xv.row_major) {
       detail::run_parts(device, parts, [&](Index p) {
@@ -480,7 +480,7 @@ class LayerNorm {
     const Index units = (rows + align - 1) / align;
     const Index groups = std::max<Index>(1, std::min<Index>(units, kGroups));
     const detail::Split gsplit{rows, groups, align};
-    const Index parts = detail::parts_for(device, rows * n, groups);
+    const Index parts = detail::parts_for(device, rows * n, groups, detail::kPartsPerThread);
     const detail::Split psplit{groups, parts, 1};  // groups per thread
     // Statistics: saved, or recomputed exactly as forward computes them.
     std::vector<T> stat;

@@ -333,7 +333,7 @@ void fused_add_norm(const Device& device, const char* who, const std::vector<Ind
     resize_vector(saved->rstd, rows);
   }
   if (rows == 0) return;
-  const Index parts = parts_for(device, rows * n, rows);
+  const Index parts = parts_for(device, rows * n, rows, kPartsPerThread);
   const Split split{rows, parts, 1};
   run_parts(device, parts, [&](Index p) {
     const Index b = split.begin(p), e = split.begin(p + 1);

@@ -16,7 +16,9 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <condition_variable>
+#include <memory>
 #include <mutex>
 #include <type_traits>
 
@@ -62,15 +64,31 @@ class Latch {
   int n_;
 };
 
-/// How many parts to split `work` elements into on this device.
+/// Parts per thread for row splits: the threads claim parts as they come
+/// free (run_parts), so a thread that starts late or is descheduled for a
+/// while (a busy VM) leaves less of the work waiting on it.
+constexpr Index kPartsPerThread = 4;
+
+/// How many parts to split `work` elements into on this device: at most
+/// per_thread parts per thread, and none smaller than kMinElementsPerThread.
 template <typename Device>
-Index parts_for(const Device& d, Index work, Index max_parts) {
+Index parts_for(const Device& d, Index work, Index max_parts, Index per_thread = 1) {
+  const Index threads = static_cast<Index>(d.numThreads());
   const Index by_size = std::max<Index>(1, work / kMinElementsPerThread);
-  return std::max<Index>(1, std::min<Index>({static_cast<Index>(d.numThreads()), by_size, max_parts}));
+  const Index most = threads > 1 ? threads * per_thread : 1;
+  return std::max<Index>(1, std::min<Index>({most, by_size, max_parts}));
 }
 
-/// Runs fn(part) for part = 0..parts-1, part 0 on the calling thread, the
-/// others on the device's threads; returns when all are done.
+/// Runs fn(part) for part = 0..parts-1 and returns when all are done. Part 0
+/// runs on the calling thread; up to numThreads()-1 tasks go to the device's
+/// threads, each running parts until none is left. A
+/// part is claimed by whoever gets to it first: the calling thread, once its
+/// own part is done, runs the parts no pool thread has started. So a pool
+/// thread that is slow to wake (tens of microseconds on a busy VM) costs
+/// nothing: the call is never much slower than running on one thread. Which
+/// thread runs a part does not matter to the result, so results stay
+/// bit-identical. A task that wakes after every part was claimed returns at
+/// once: it touches only the shared claim state, which it co-owns.
 template <typename Device, typename F>
 void run_parts(const Device& d, Index parts, F&& fn) {
   if constexpr (std::is_same<Device, Serial>::value) {
@@ -80,15 +98,30 @@ void run_parts(const Device& d, Index parts, F&& fn) {
       if (parts == 1) fn(Index(0));
       return;
     }
-    Latch latch(static_cast<int>(parts - 1));
-    for (Index p = 1; p < parts; ++p) {
-      d.enqueueNoNotification([&fn, &latch, p] {
-        fn(p);
-        latch.count_down();
+    struct Claims {
+      std::atomic<Index> next{1};
+      Latch done;
+      explicit Claims(Index n) : done(static_cast<int>(n)) {}
+    };
+    auto claims = std::make_shared<Claims>(parts - 1);
+    using Fn = std::remove_reference_t<F>;
+    Fn* f = &fn;
+    const Index helpers = std::min<Index>(parts, static_cast<Index>(d.numThreads())) - 1;
+    for (Index t = 0; t < helpers; ++t) {
+      d.enqueueNoNotification([claims, f, parts] {
+        // fn is alive while a part is unfinished: the caller waits for all.
+        for (Index p; (p = claims->next.fetch_add(1)) < parts;) {
+          (*f)(p);
+          claims->done.count_down();
+        }
       });
     }
     fn(Index(0));
-    latch.wait();
+    for (Index p; (p = claims->next.fetch_add(1)) < parts;) {
+      fn(p);
+      claims->done.count_down();
+    }
+    claims->done.wait();
   }
 }
 
