@@ -40,7 +40,7 @@ inline void inv_sqrt_eps(const double* v, double eps, Index count, double* r) {
   constexpr int LD = simd<double>::L;
   static_assert(kInvSqrtGroup % LD == 0, "a group is whole double packets");
   alignas(64) double a[kInvSqrtGroup];
-  alignas(64) double out[kInvSqrtGroup];
+  alignas(64) double out[kInvSqrtGroup] = {};
   for (Index i = 0; i < kInvSqrtGroup; ++i) a[i] = i < count ? v[i] : 1.0;
   const PD one = pset1<PD>(1.0), pe = pset1<PD>(eps);
   for (Index i = 0; i < kInvSqrtGroup; i += LD) pstore(out + i, pdiv(one, psqrt(padd(pload<PD>(a + i), pe))));
