@@ -25,24 +25,32 @@ void check_rms(Index rows, Index n, unsigned seed, double scale) {
   const bool rm = Layout == Eigen::RowMajor;
   const auto xs = rm ? xl : to_colmajor(xl, rows, n);
   const auto dys = rm ? dyl : to_colmajor(dyl, rows, n);
-  Eigen::TensorMap<const Eigen::Tensor<T, 2, Layout>> x(xs.data(), rows, n), dy(dys.data(), rows, n);
+  Eigen::TensorMap<const Eigen::Tensor<T, 2, Layout>> x(xs.data(), rows, n),
+      dy(dys.data(), rows, n);
   Eigen::Tensor<T, 2, Layout> y(rows, n), dx(rows, n);
   NormStats<T> st;
   rn.forward(x, y, st);
   std::vector<long double> rref;
-  const auto ref = normcore::reference::rms_norm_forward(xl.data(), rows, n, rn.weight().data(), 1e-6, &rref);
-  const auto yl = rm ? std::vector<T>(y.data(), y.data() + y.size()) : from_colmajor(y.data(), rows, n);
+  const auto ref =
+      normcore::reference::rms_norm_forward(xl.data(), rows, n, rn.weight().data(), 1e-6, &rref);
+  const auto yl =
+      rm ? std::vector<T>(y.data(), y.data() + y.size()) : from_colmajor(y.data(), rows, n);
   EXPECT_LE(max_diff(yl.data(), ref), tol_elem<T>(max_abs(ref) + 1, double(n)));
   for (Index r = 0; r < rows; ++r)
-    EXPECT_NEAR(double(st.rstd(r)) / double(rref[static_cast<std::size_t>(r)]), 1.0, tol_elem<T>(1.0, double(n)));
+    EXPECT_NEAR(double(st.rstd(r)) / double(rref[static_cast<std::size_t>(r)]), 1.0,
+                tol_elem<T>(1.0, double(n)));
   Eigen::Tensor<T, 1> dw;
   rn.backward(x, dy, &dx, &dw, &st);
-  const auto gref = normcore::reference::rms_norm_backward(xl.data(), dyl.data(), rows, n, rn.weight().data(), 1e-6);
-  const auto dxl = rm ? std::vector<T>(dx.data(), dx.data() + dx.size()) : from_colmajor(dx.data(), rows, n);
+  const auto gref = normcore::reference::rms_norm_backward(xl.data(), dyl.data(), rows, n,
+                                                           rn.weight().data(), 1e-6);
+  const auto dxl =
+      rm ? std::vector<T>(dx.data(), dx.data() + dx.size()) : from_colmajor(dx.data(), rows, n);
   double rmax = 0;
   for (long double v : rref) rmax = std::max(rmax, double(v));
-  EXPECT_LE(max_diff(dxl.data(), gref.dx), tol_elem<T>(rmax * (max_abs(gref.dx) / rmax + 8), double(n)));
-  EXPECT_LE(max_diff(dw.data(), gref.dweight), tol<T>(max_abs(gref.dweight) + 16, double(rows) + 8));
+  EXPECT_LE(max_diff(dxl.data(), gref.dx),
+            tol_elem<T>(rmax * (max_abs(gref.dx) / rmax + 8), double(n)));
+  EXPECT_LE(max_diff(dw.data(), gref.dweight),
+            tol<T>(max_abs(gref.dweight) + 16, double(rows) + 8));
 }
 
 TYPED_TEST(RMSNormTest, MatchesReferenceOnAwkwardLengthsBothLayouts) {
@@ -113,7 +121,8 @@ TEST(RMSNormGradient, MatchesCentralDifferences) {
       v = keep - h;
       const double lm = loss();
       v = keep;
-      EXPECT_NEAR(g.dx.data()[i], (lp - lm) / (2 * h), 1e-6 * (1 + std::fabs(g.dx.data()[i]))) << "n=" << n;
+      EXPECT_NEAR(g.dx.data()[i], (lp - lm) / (2 * h), 1e-6 * (1 + std::fabs(g.dx.data()[i])))
+          << "n=" << n;
     }
     for (Index j = 0; j < n; ++j) {
       double& p = rn.weight()(j);
@@ -123,7 +132,8 @@ TEST(RMSNormGradient, MatchesCentralDifferences) {
       p = keep - h;
       const double lm = loss();
       p = keep;
-      EXPECT_NEAR(g.dweight(j), (lp - lm) / (2 * h), 1e-6 * (1 + std::fabs(g.dweight(j)))) << "n=" << n;
+      EXPECT_NEAR(g.dweight(j), (lp - lm) / (2 * h), 1e-6 * (1 + std::fabs(g.dweight(j))))
+          << "n=" << n;
     }
   }
 }
@@ -161,21 +171,25 @@ TEST(RMSNormErrors, ShapesAndMissingWeight) {
 
 TYPED_TEST(RMSNormTest, BatchIndependenceBitForBit) {
   using T = TypeParam;
-  const Index rows = 21, n = 100, pick = 18;
-  RMSNorm<T> rn(RMSNormOptions({n}));
-  const auto xl = randn<T>(static_cast<std::size_t>(rows * n), 12);
-  const auto xc = to_colmajor(xl, rows, n);
-  Eigen::TensorMap<const Eigen::Tensor<T, 2, Eigen::ColMajor>> x(xc.data(), rows, n);
-  Eigen::Tensor<T, 2, Eigen::ColMajor> y = rn(x);
-  Eigen::TensorMap<const Eigen::Tensor<T, 2, Eigen::ColMajor>> x1(xl.data() + pick * n, 1, n);
-  Eigen::Tensor<T, 2, Eigen::ColMajor> y1 = rn(x1);
-  Eigen::TensorMap<const Eigen::Tensor<T, 2, Eigen::RowMajor>> xr(xl.data(), rows, n);
-  Eigen::Tensor<T, 2, Eigen::RowMajor> yr = rn(xr);
-  Eigen::TensorMap<const Eigen::Tensor<T, 2, Eigen::RowMajor>> xr1(xl.data() + pick * n, 1, n);
-  Eigen::Tensor<T, 2, Eigen::RowMajor> yr1 = rn(xr1);
-  for (Index j = 0; j < n; ++j) {
-    ASSERT_EQ(std::memcmp(&y(pick, j), &y1(0, j), sizeof(T)), 0);
-    ASSERT_EQ(std::memcmp(&yr(pick, j), &yr1(0, j), sizeof(T)), 0);
+  // n = 100: short rows, grouped by packet lanes; n = 768: long rows,
+  // grouped by rows_per_group. Either way a row's result is its own.
+  for (const Index n : {Index(100), Index(768)}) {
+    const Index rows = 21, pick = 18;
+    RMSNorm<T> rn(RMSNormOptions({n}));
+    const auto xl = randn<T>(static_cast<std::size_t>(rows * n), 12);
+    const auto xc = to_colmajor(xl, rows, n);
+    Eigen::TensorMap<const Eigen::Tensor<T, 2, Eigen::ColMajor>> x(xc.data(), rows, n);
+    Eigen::Tensor<T, 2, Eigen::ColMajor> y = rn(x);
+    Eigen::TensorMap<const Eigen::Tensor<T, 2, Eigen::ColMajor>> x1(xl.data() + pick * n, 1, n);
+    Eigen::Tensor<T, 2, Eigen::ColMajor> y1 = rn(x1);
+    Eigen::TensorMap<const Eigen::Tensor<T, 2, Eigen::RowMajor>> xr(xl.data(), rows, n);
+    Eigen::Tensor<T, 2, Eigen::RowMajor> yr = rn(xr);
+    Eigen::TensorMap<const Eigen::Tensor<T, 2, Eigen::RowMajor>> xr1(xl.data() + pick * n, 1, n);
+    Eigen::Tensor<T, 2, Eigen::RowMajor> yr1 = rn(xr1);
+    for (Index j = 0; j < n; ++j) {
+      ASSERT_EQ(std::memcmp(&y(pick, j), &y1(0, j), sizeof(T)), 0);
+      ASSERT_EQ(std::memcmp(&yr(pick, j), &yr1(0, j), sizeof(T)), 0);
+    }
   }
 }
 

@@ -343,7 +343,9 @@ class LayerNorm {
   // (the group is still in L1). Long rows: one row at a time.
   void forward_rows(const T* x, T* out, Index n, Index count, T* mean, T* rstd, const T* g,
                     const T* b) const {
-    const Index group = n < detail::kShortRowPackets * detail::simd<T>::L ? kCoeffGroup : 1;
+    const Index group = n < detail::kShortRowPackets * detail::simd<T>::L
+                            ? kCoeffGroup
+                            : detail::rows_per_group(n, sizeof(T), kCoeffGroup);
     detail::NormCoeffs<T> k[kCoeffGroup];
     for (Index r0 = 0; r0 < count; r0 += group) {
       const Index m = std::min(group, count - r0);

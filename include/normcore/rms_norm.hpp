@@ -416,7 +416,8 @@ class RMSNorm {
     using namespace Eigen::internal;
     using Packet = typename detail::simd<T>::Packet;
     constexpr int L = detail::simd<T>::L;
-    const Index group = n < detail::kShortRowPackets * L ? kRstdGroup : 1;
+    const Index group = n < detail::kShortRowPackets * L ? kRstdGroup
+                                                         : detail::rows_per_group(n, sizeof(T), kRstdGroup);
     W rg[kRstdGroup];
     for (Index i = 0; i < count; ++i) {
       const T* xr = x + i * n;

@@ -230,6 +230,19 @@ namespace detail {
 /// pipelines, and merging their lanes one row at a time is mostly latency.
 constexpr Index kShortRowPackets = 16;
 
+/// Bytes of rows whose statistics are taken before any of them is
+/// normalized. Long rows are grouped too: the per-row tail (lane merge,
+/// sqrt, division) of one row then overlaps the next row's loop instead of
+/// stalling the normalize loop that waits for it, and the group is still in
+/// L1 when it is read the second time.
+constexpr Index kGroupBytes = 16 * 1024;
+
+/// Rows of n values of `bytes` each taken per group, 1..max_group.
+inline Index rows_per_group(Index n, Index bytes, Index max_group) {
+  const Index fit = kGroupBytes / std::max<Index>(1, n * bytes);
+  return std::max<Index>(1, std::min<Index>(max_group, fit));
+}
+
 /// Moments of simd<double>::L short rows (n < kShortRowPackets packets) side
 /// by side, each shifted by its first value; out[r] in shifted coordinates.
 /// Every operation is vertical across the rows, so a row's result depends
