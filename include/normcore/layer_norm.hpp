@@ -614,8 +614,10 @@ class LayerNorm {
     using namespace Eigen::internal;
     using Packet = typename detail::simd<T>::Packet;
     constexpr int L = detail::simd<T>::L;
-    auto& accw = acc.w;
-    auto& accb = acc.b;
+    // Raw pointers: through the vectors, every store would make the
+    // compiler reload their data pointers.
+    T* const accw = acc.w.data();
+    T* const accb = acc.b.data();
     for (Index r0 = 0; r0 < rows;) {
       const Index r1 = std::min(rows, r0 + (kRowBlock - acc.rows));
       for (Index r = r0; r < r1; ++r) {
@@ -674,8 +676,8 @@ class LayerNorm {
             if (dh) v = padd(v, ploadu<Packet>(dh + r * n + j));
             pstoreu(dx + r * n + j, v);
           }
-          if (dw) pstoreu(accw.data() + j, pmadd(dyv, xh, ploadu<Packet>(accw.data() + j)));
-          if (db) pstoreu(accb.data() + j, padd(dyv, ploadu<Packet>(accb.data() + j)));
+          if (dw) pstoreu(accw + j, pmadd(dyv, xh, ploadu<Packet>(accw + j)));
+          if (db) pstoreu(accb + j, padd(dyv, ploadu<Packet>(accb + j)));
         }
         for (; j < n; ++j) {
           const T xh = detail::madd(xr[j] - p, rs, xs);
@@ -684,8 +686,8 @@ class LayerNorm {
             const T v = detail::madd(g, rs, -detail::madd(xh, k3, k4));
             dx[r * n + j] = dh ? v + dh[r * n + j] : v;
           }
-          if (dw) accw[static_cast<std::size_t>(j)] = detail::madd(gr[j], xh, accw[static_cast<std::size_t>(j)]);
-          if (db) accb[static_cast<std::size_t>(j)] += gr[j];
+          if (dw) accw[j] = detail::madd(gr[j], xh, accw[j]);
+          if (db) accb[j] += gr[j];
         }
       }
       acc.rows += r1 - r0;

@@ -579,7 +579,7 @@ class RMSNorm {
     using namespace Eigen::internal;
     using Packet = typename detail::simd<T>::Packet;
     constexpr int L = detail::simd<T>::L;
-    auto& acc = gacc.w;
+    T* const acc = gacc.w.data();  // a raw pointer: no reload after every store
     for (Index b0 = 0; b0 < count;) {
       const Index b1 = std::min(count, b0 + (kRowBlock - gacc.rows));
       for (Index i = b0; i < b1; ++i) {
@@ -637,7 +637,7 @@ class RMSNorm {
             if (dh) v = padd(v, ploadu<Packet>(dh + i * n + j));
             pstoreu(dx + i * n + j, v);
           }
-          if (dwp) pstoreu(acc.data() + j, pmadd(dyv, xh, ploadu<Packet>(acc.data() + j)));
+          if (dwp) pstoreu(acc + j, pmadd(dyv, xh, ploadu<Packet>(acc + j)));
         }
         for (; j < n; ++j) {
           const T xh = xr[j] * rt;
@@ -645,7 +645,7 @@ class RMSNorm {
             const T v = rt * ((g ? gr[j] * g[j] : gr[j]) - xh * c);
             dx[i * n + j] = dh ? v + dh[i * n + j] : v;
           }
-          if (dwp) acc[static_cast<std::size_t>(j)] = detail::madd(gr[j], xh, acc[static_cast<std::size_t>(j)]);
+          if (dwp) acc[j] = detail::madd(gr[j], xh, acc[j]);
         }
       }
       gacc.rows += b1 - b0;
