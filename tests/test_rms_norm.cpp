@@ -186,9 +186,16 @@ TYPED_TEST(RMSNormTest, BatchIndependenceBitForBit) {
     Eigen::Tensor<T, 2, Eigen::RowMajor> yr = rn(xr);
     Eigen::TensorMap<const Eigen::Tensor<T, 2, Eigen::RowMajor>> xr1(xl.data() + pick * n, 1, n);
     Eigen::Tensor<T, 2, Eigen::RowMajor> yr1 = rn(xr1);
+    // The backward's dx too: its rows go in groups as well.
+    const auto dyl = randn<T>(static_cast<std::size_t>(rows * n), 13);
+    Eigen::TensorMap<const Eigen::Tensor<T, 2, Eigen::RowMajor>> dyr(dyl.data(), rows, n);
+    Eigen::TensorMap<const Eigen::Tensor<T, 2, Eigen::RowMajor>> dyr1(dyl.data() + pick * n, 1, n);
+    const auto gb = rn.backward(xr, dyr);
+    const auto g1 = rn.backward(xr1, dyr1);
     for (Index j = 0; j < n; ++j) {
       ASSERT_EQ(std::memcmp(&y(pick, j), &y1(0, j), sizeof(T)), 0);
       ASSERT_EQ(std::memcmp(&yr(pick, j), &yr1(0, j), sizeof(T)), 0);
+      ASSERT_EQ(std::memcmp(&gb.dx(pick, j), &g1.dx(0, j), sizeof(T)), 0) << "dx, n=" << n << " j=" << j;
     }
   }
 }
