@@ -586,7 +586,6 @@ class LayerNorm {
   // Parameter gradients are summed in T over blocks of kRowBlock rows, then
   // added in double, block by block in order.
   static constexpr Index kRowBlock = 64;
-  static constexpr Index kBwdGroup = 8;  // most rows per backward_rows group
 
   // The T accumulators of dweight/dbias and the rows they hold; flushed into
   // the group's double sums every kRowBlock rows counted from the group's
@@ -619,93 +618,76 @@ class LayerNorm {
     // compiler reload their data pointers.
     T* const accw = acc.w.data();
     T* const accb = acc.b.data();
-    // Rows go in groups (up to 16 KB of x and dy): first every row's sums
-    // and coefficients, then every row's gradients, in row order. The
-    // reduction, division and conversions that end a row's first pass are
-    // a chain of latencies; the next row's first pass overlaps them instead
-    // of the second pass waiting for them. Each row's arithmetic, and the
-    // order in which rows reach dweight/dbias, are unchanged.
-    const Index group = detail::rows_per_group(n, 2 * static_cast<Index>(sizeof(T)), kBwdGroup);
-    detail::BackwardCoeffs<T> cg[kBwdGroup];
     for (Index r0 = 0; r0 < rows;) {
       const Index r1 = std::min(rows, r0 + (kRowBlock - acc.rows));
-      for (Index g0 = r0; g0 < r1; g0 += group) {
-        const Index g1 = std::min(r1, g0 + group);
-        for (Index r = g0; r < g1; ++r) {
-          const T* xr = x + r * n;
-          const T* gr = dy + r * n;
-          const T p = mean[r];
-          const Packet pp = pset1<Packet>(p);
-          Packet sg0 = pset1<Packet>(T(0)), sgd0 = sg0, sd0 = sg0, sg1 = sg0, sgd1 = sg0, sd1 = sg0;
-          Index j = 0;
-          for (; j + 2 * L <= n; j += 2 * L) {
-            Packet g0 = ploadu<Packet>(gr + j), g1 = ploadu<Packet>(gr + j + L);
-            if (gamma) {
-              g0 = pmul(g0, ploadu<Packet>(gamma + j));
-              g1 = pmul(g1, ploadu<Packet>(gamma + j + L));
-            }
-            const Packet d0 = psub(ploadu<Packet>(xr + j), pp);
-            const Packet d1 = psub(ploadu<Packet>(xr + j + L), pp);
-            sg0 = padd(sg0, g0);
-            sg1 = padd(sg1, g1);
-            sgd0 = pmadd(g0, d0, sgd0);
-            sgd1 = pmadd(g1, d1, sgd1);
-            sd0 = padd(sd0, d0);
-            sd1 = padd(sd1, d1);
+      for (Index r = r0; r < r1; ++r) {
+        const T* xr = x + r * n;
+        const T* gr = dy + r * n;
+        const T p = mean[r];
+        const T rs = rstd[r];
+        const Packet pp = pset1<Packet>(p);
+        Packet sg0 = pset1<Packet>(T(0)), sgd0 = sg0, sd0 = sg0, sg1 = sg0, sgd1 = sg0, sd1 = sg0;
+        Index j = 0;
+        for (; j + 2 * L <= n; j += 2 * L) {
+          Packet g0 = ploadu<Packet>(gr + j), g1 = ploadu<Packet>(gr + j + L);
+          if (gamma) {
+            g0 = pmul(g0, ploadu<Packet>(gamma + j));
+            g1 = pmul(g1, ploadu<Packet>(gamma + j + L));
           }
-          for (; j + L <= n; j += L) {
-            Packet g0 = ploadu<Packet>(gr + j);
-            if (gamma) g0 = pmul(g0, ploadu<Packet>(gamma + j));
-            const Packet d0 = psub(ploadu<Packet>(xr + j), pp);
-            sg0 = padd(sg0, g0);
-            sgd0 = pmadd(g0, d0, sgd0);
-            sd0 = padd(sd0, d0);
-          }
-          double sg = static_cast<double>(predux(padd(sg0, sg1)));
-          double sgd = static_cast<double>(predux(padd(sgd0, sgd1)));
-          double sd = static_cast<double>(predux(padd(sd0, sd1)));
-          for (; j < n; ++j) {
-            const double g = static_cast<double>(gamma ? gr[j] * gamma[j] : gr[j]);
-            const double d = static_cast<double>(xr[j] - p);
-            sg += g;
-            sgd += g * d;
-            sd += d;
-          }
-          cg[r - g0] = detail::backward_coeffs<T>(sg, sgd, sd, n, rstd[r]);
+          const Packet d0 = psub(ploadu<Packet>(xr + j), pp);
+          const Packet d1 = psub(ploadu<Packet>(xr + j + L), pp);
+          sg0 = padd(sg0, g0);
+          sg1 = padd(sg1, g1);
+          sgd0 = pmadd(g0, d0, sgd0);
+          sgd1 = pmadd(g1, d1, sgd1);
+          sd0 = padd(sd0, d0);
+          sd1 = padd(sd1, d1);
         }
-        for (Index r = g0; r < g1; ++r) {
-          const T* xr = x + r * n;
-          const T* gr = dy + r * n;
-          const T p = mean[r];
-          const T rs = rstd[r];
-          const Packet pp = pset1<Packet>(p);
-          const T k3 = cg[r - g0].k3, k4 = cg[r - g0].k4, xs = cg[r - g0].xs;
-          const Packet pr = pset1<Packet>(rs), p3 = pset1<Packet>(k3), p4 = pset1<Packet>(k4),
-                       pxs = pset1<Packet>(xs);
-          Index j = 0;
-          for (; j + L <= n; j += L) {
-            const Packet dyv = ploadu<Packet>(gr + j);
-            const Packet d = psub(ploadu<Packet>(xr + j), pp);
-            const Packet xh = pmadd(d, pr, pxs);
-            if (dx) {
-              const Packet g = gamma ? pmul(dyv, ploadu<Packet>(gamma + j)) : dyv;
-              Packet v = pmadd(g, pr, pnegate(pmadd(xh, p3, p4)));
-              if (dh) v = padd(v, ploadu<Packet>(dh + r * n + j));
-              pstoreu(dx + r * n + j, v);
-            }
-            if (dw) pstoreu(accw + j, pmadd(dyv, xh, ploadu<Packet>(accw + j)));
-            if (db) pstoreu(accb + j, padd(dyv, ploadu<Packet>(accb + j)));
+        for (; j + L <= n; j += L) {
+          Packet g0 = ploadu<Packet>(gr + j);
+          if (gamma) g0 = pmul(g0, ploadu<Packet>(gamma + j));
+          const Packet d0 = psub(ploadu<Packet>(xr + j), pp);
+          sg0 = padd(sg0, g0);
+          sgd0 = pmadd(g0, d0, sgd0);
+          sd0 = padd(sd0, d0);
+        }
+        double sg = static_cast<double>(predux(padd(sg0, sg1)));
+        double sgd = static_cast<double>(predux(padd(sgd0, sgd1)));
+        double sd = static_cast<double>(predux(padd(sd0, sd1)));
+        for (; j < n; ++j) {
+          const double g = static_cast<double>(gamma ? gr[j] * gamma[j] : gr[j]);
+          const double d = static_cast<double>(xr[j] - p);
+          sg += g;
+          sgd += g * d;
+          sd += d;
+        }
+        const auto bc = detail::backward_coeffs<T>(sg, sgd, sd, n, rs);
+        const T k3 = bc.k3, k4 = bc.k4, xs = bc.xs;
+        const Packet pr = pset1<Packet>(rs), p3 = pset1<Packet>(k3), p4 = pset1<Packet>(k4),
+                     pxs = pset1<Packet>(xs);
+        j = 0;
+        for (; j + L <= n; j += L) {
+          const Packet dyv = ploadu<Packet>(gr + j);
+          const Packet d = psub(ploadu<Packet>(xr + j), pp);
+          const Packet xh = pmadd(d, pr, pxs);
+          if (dx) {
+            const Packet g = gamma ? pmul(dyv, ploadu<Packet>(gamma + j)) : dyv;
+            Packet v = pmadd(g, pr, pnegate(pmadd(xh, p3, p4)));
+            if (dh) v = padd(v, ploadu<Packet>(dh + r * n + j));
+            pstoreu(dx + r * n + j, v);
           }
-          for (; j < n; ++j) {
-            const T xh = detail::madd(xr[j] - p, rs, xs);
-            if (dx) {
-              const T g = gamma ? gr[j] * gamma[j] : gr[j];
-              const T v = detail::madd(g, rs, -detail::madd(xh, k3, k4));
-              dx[r * n + j] = dh ? v + dh[r * n + j] : v;
-            }
-            if (dw) accw[j] = detail::madd(gr[j], xh, accw[j]);
-            if (db) accb[j] += gr[j];
+          if (dw) pstoreu(accw + j, pmadd(dyv, xh, ploadu<Packet>(accw + j)));
+          if (db) pstoreu(accb + j, padd(dyv, ploadu<Packet>(accb + j)));
+        }
+        for (; j < n; ++j) {
+          const T xh = detail::madd(xr[j] - p, rs, xs);
+          if (dx) {
+            const T g = gamma ? gr[j] * gamma[j] : gr[j];
+            const T v = detail::madd(g, rs, -detail::madd(xh, k3, k4));
+            dx[r * n + j] = dh ? v + dh[r * n + j] : v;
           }
+          if (dw) accw[j] = detail::madd(gr[j], xh, accw[j]);
+          if (db) accb[j] += gr[j];
         }
       }
       acc.rows += r1 - r0;

@@ -574,95 +574,78 @@ class RMSNorm {
     }
   };
 
-  static constexpr Index kBwdGroup = 8;  // most rows per backward_rows group
   static void backward_rows(const T* x, const T* dy, T* dx, Index count, Index n, const W* r,
                             const T* g, double* dwp, const T* dh, GradAcc& gacc) {
     using namespace Eigen::internal;
     using Packet = typename detail::simd<T>::Packet;
     constexpr int L = detail::simd<T>::L;
     T* const acc = gacc.w.data();  // a raw pointer: no reload after every store
-    // Rows in groups (up to 16 KB of x and dy), as in LayerNorm's
-    // backward_rows: every row's sum and coefficient first, so that their
-    // latency chains overlap, then every row's gradients in row order.
-    const Index group = detail::rows_per_group(n, 2 * static_cast<Index>(sizeof(T)), kBwdGroup);
-    T cg[kBwdGroup];
     for (Index b0 = 0; b0 < count;) {
       const Index b1 = std::min(count, b0 + (kRowBlock - gacc.rows));
-      for (Index g0 = b0; g0 < b1; g0 += group) {
-        const Index g1 = std::min(b1, g0 + group);
-        for (Index i = g0; i < g1; ++i) {
-          const T* xr = x + i * n;
-          const T* gr = dy + i * n;
-          const W ri = r[i];
-          if (!detail::normal_in<T>(ri)) continue;  // the exact path, below
-          const T rt = static_cast<T>(ri);
-          Packet s0 = pset1<Packet>(T(0)), s1 = s0;
-          Index j = 0;
-          for (; j + 2 * L <= n; j += 2 * L) {
-            Packet g0v = ploadu<Packet>(gr + j), g1v = ploadu<Packet>(gr + j + L);
-            if (g) {
-              g0v = pmul(g0v, ploadu<Packet>(g + j));
-              g1v = pmul(g1v, ploadu<Packet>(g + j + L));
+      for (Index i = b0; i < b1; ++i) {
+        const T* xr = x + i * n;
+        const T* gr = dy + i * n;
+        const W ri = r[i];
+        if (!detail::normal_in<T>(ri)) {
+          long double sgx = 0;
+          for (Index j = 0; j < n; ++j) {
+            const long double gj = static_cast<long double>(gr[j]) * (g ? static_cast<long double>(g[j]) : 1.0L);
+            sgx += gj * static_cast<long double>(xr[j]) * ri;
+          }
+          const long double c = sgx / static_cast<long double>(n);
+          for (Index j = 0; j < n; ++j) {
+            const long double xh = static_cast<long double>(xr[j]) * ri;
+            const long double gj = static_cast<long double>(gr[j]) * (g ? static_cast<long double>(g[j]) : 1.0L);
+            if (dx) {
+              long double v = ri * (gj - xh * c);
+              if (dh) v += static_cast<long double>(dh[i * n + j]);
+              dx[i * n + j] = static_cast<T>(v);
             }
-            s0 = pmadd(g0v, ploadu<Packet>(xr + j), s0);
-            s1 = pmadd(g1v, ploadu<Packet>(xr + j + L), s1);
+            if (dwp) dwp[j] += static_cast<double>(static_cast<long double>(gr[j]) * xh);
           }
-          for (; j + L <= n; j += L) {
-            Packet g0v = ploadu<Packet>(gr + j);
-            if (g) g0v = pmul(g0v, ploadu<Packet>(g + j));
-            s0 = pmadd(g0v, ploadu<Packet>(xr + j), s0);
-          }
-          double sgx = static_cast<double>(predux(padd(s0, s1)));
-          for (; j < n; ++j)
-            sgx += static_cast<double>(g ? gr[j] * g[j] : gr[j]) * static_cast<double>(xr[j]);
-          cg[i - g0] = static_cast<T>(static_cast<double>(rt) * sgx / static_cast<double>(n));
+          continue;
         }
-        for (Index i = g0; i < g1; ++i) {
-          const T* xr = x + i * n;
-          const T* gr = dy + i * n;
-          const W ri = r[i];
-          if (!detail::normal_in<T>(ri)) {
-            long double sgx = 0;
-            for (Index j = 0; j < n; ++j) {
-              const long double gj = static_cast<long double>(gr[j]) * (g ? static_cast<long double>(g[j]) : 1.0L);
-              sgx += gj * static_cast<long double>(xr[j]) * ri;
-            }
-            const long double c = sgx / static_cast<long double>(n);
-            for (Index j = 0; j < n; ++j) {
-              const long double xh = static_cast<long double>(xr[j]) * ri;
-              const long double gj = static_cast<long double>(gr[j]) * (g ? static_cast<long double>(g[j]) : 1.0L);
-              if (dx) {
-                long double v = ri * (gj - xh * c);
-                if (dh) v += static_cast<long double>(dh[i * n + j]);
-                dx[i * n + j] = static_cast<T>(v);
-              }
-              if (dwp) dwp[j] += static_cast<double>(static_cast<long double>(gr[j]) * xh);
-            }
-            continue;
+        const T rt = static_cast<T>(ri);
+        Packet s0 = pset1<Packet>(T(0)), s1 = s0;
+        Index j = 0;
+        for (; j + 2 * L <= n; j += 2 * L) {
+          Packet g0v = ploadu<Packet>(gr + j), g1v = ploadu<Packet>(gr + j + L);
+          if (g) {
+            g0v = pmul(g0v, ploadu<Packet>(g + j));
+            g1v = pmul(g1v, ploadu<Packet>(g + j + L));
           }
-          const T rt = static_cast<T>(ri);
-          const T c = cg[i - g0];
-          const Packet pr = pset1<Packet>(rt), pc = pset1<Packet>(c);
-          Index j = 0;
-          for (; j + L <= n; j += L) {
-            const Packet dyv = ploadu<Packet>(gr + j);
-            const Packet xh = pmul(ploadu<Packet>(xr + j), pr);
-            if (dx) {
-              const Packet gv = g ? pmul(dyv, ploadu<Packet>(g + j)) : dyv;
-              Packet v = pmul(pr, psub(gv, pmul(xh, pc)));
-              if (dh) v = padd(v, ploadu<Packet>(dh + i * n + j));
-              pstoreu(dx + i * n + j, v);
-            }
-            if (dwp) pstoreu(acc + j, pmadd(dyv, xh, ploadu<Packet>(acc + j)));
+          s0 = pmadd(g0v, ploadu<Packet>(xr + j), s0);
+          s1 = pmadd(g1v, ploadu<Packet>(xr + j + L), s1);
+        }
+        for (; j + L <= n; j += L) {
+          Packet g0v = ploadu<Packet>(gr + j);
+          if (g) g0v = pmul(g0v, ploadu<Packet>(g + j));
+          s0 = pmadd(g0v, ploadu<Packet>(xr + j), s0);
+        }
+        double sgx = static_cast<double>(predux(padd(s0, s1)));
+        for (; j < n; ++j)
+          sgx += static_cast<double>(g ? gr[j] * g[j] : gr[j]) * static_cast<double>(xr[j]);
+        const T c = static_cast<T>(static_cast<double>(rt) * sgx / static_cast<double>(n));
+        const Packet pr = pset1<Packet>(rt), pc = pset1<Packet>(c);
+        j = 0;
+        for (; j + L <= n; j += L) {
+          const Packet dyv = ploadu<Packet>(gr + j);
+          const Packet xh = pmul(ploadu<Packet>(xr + j), pr);
+          if (dx) {
+            const Packet gv = g ? pmul(dyv, ploadu<Packet>(g + j)) : dyv;
+            Packet v = pmul(pr, psub(gv, pmul(xh, pc)));
+            if (dh) v = padd(v, ploadu<Packet>(dh + i * n + j));
+            pstoreu(dx + i * n + j, v);
           }
-          for (; j < n; ++j) {
-            const T xh = xr[j] * rt;
-            if (dx) {
-              const T v = rt * ((g ? gr[j] * g[j] : gr[j]) - xh * c);
-              dx[i * n + j] = dh ? v + dh[i * n + j] : v;
-            }
-            if (dwp) acc[j] = detail::madd(gr[j], xh, acc[j]);
+          if (dwp) pstoreu(acc + j, pmadd(dyv, xh, ploadu<Packet>(acc + j)));
+        }
+        for (; j < n; ++j) {
+          const T xh = xr[j] * rt;
+          if (dx) {
+            const T v = rt * ((g ? gr[j] * g[j] : gr[j]) - xh * c);
+            dx[i * n + j] = dh ? v + dh[i * n + j] : v;
           }
+          if (dwp) acc[j] = detail::madd(gr[j], xh, acc[j]);
         }
       }
       gacc.rows += b1 - b0;
