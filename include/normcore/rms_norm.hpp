@@ -419,30 +419,34 @@ class RMSNorm {
     const Index group = n < detail::kShortRowPackets * L ? kRstdGroup
                                                          : detail::rows_per_group(n, sizeof(T), kRstdGroup);
     W rg[kRstdGroup];
-    for (Index i = 0; i < count; ++i) {
-      const T* xr = x + i * n;
-      T* yr = out + i * n;
-      if (i % group == 0) rows_rstd(xr, n, std::min(group, count - i), rg);
-      const W ri = rg[i % group];
-      if (rsave) rsave[i] = static_cast<T>(ri);
-      if (!detail::normal_in<T>(ri)) {  // exact scalar path in long double
-        for (Index j = 0; j < n; ++j) {
-          long double v = static_cast<long double>(xr[j]) * ri;
-          if (g) v *= static_cast<long double>(g[j]);
-          yr[j] = static_cast<T>(v);
+    for (Index r0 = 0; r0 < count; r0 += group) {
+      const Index m = std::min(group, count - r0);
+      rows_rstd(x + r0 * n, n, m, rg);
+      for (Index k = 0; k < m; ++k) {
+        const Index i = r0 + k;
+        const T* xr = x + i * n;
+        T* yr = out + i * n;
+        const W ri = rg[k];
+        if (rsave) rsave[i] = static_cast<T>(ri);
+        if (!detail::normal_in<T>(ri)) {  // exact scalar path in long double
+          for (Index j = 0; j < n; ++j) {
+            long double v = static_cast<long double>(xr[j]) * ri;
+            if (g) v *= static_cast<long double>(g[j]);
+            yr[j] = static_cast<T>(v);
+          }
+          continue;
         }
-        continue;
-      }
-      const T rt = static_cast<T>(ri);
-      const Packet pr = pset1<Packet>(rt);
-      Index j = 0;
-      if (g) {
-        for (; j + L <= n; j += L)
-          pstoreu(yr + j, pmul(pmul(ploadu<Packet>(xr + j), pr), ploadu<Packet>(g + j)));
-        for (; j < n; ++j) yr[j] = xr[j] * rt * g[j];
-      } else {
-        for (; j + L <= n; j += L) pstoreu(yr + j, pmul(ploadu<Packet>(xr + j), pr));
-        for (; j < n; ++j) yr[j] = xr[j] * rt;
+        const T rt = static_cast<T>(ri);
+        const Packet pr = pset1<Packet>(rt);
+        Index j = 0;
+        if (g) {
+          for (; j + L <= n; j += L)
+            pstoreu(yr + j, pmul(pmul(ploadu<Packet>(xr + j), pr), ploadu<Packet>(g + j)));
+          for (; j < n; ++j) yr[j] = xr[j] * rt * g[j];
+        } else {
+          for (; j + L <= n; j += L) pstoreu(yr + j, pmul(ploadu<Packet>(xr + j), pr));
+          for (; j < n; ++j) yr[j] = xr[j] * rt;
+        }
       }
     }
   }
