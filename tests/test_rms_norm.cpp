@@ -25,32 +25,24 @@ void check_rms(Index rows, Index n, unsigned seed, double scale) {
   const bool rm = Layout == Eigen::RowMajor;
   const auto xs = rm ? xl : to_colmajor(xl, rows, n);
   const auto dys = rm ? dyl : to_colmajor(dyl, rows, n);
-  Eigen::TensorMap<const Eigen::Tensor<T, 2, Layout>> x(xs.data(), rows, n),
-      dy(dys.data(), rows, n);
+  Eigen::TensorMap<const Eigen::Tensor<T, 2, Layout>> x(xs.data(), rows, n), dy(dys.data(), rows, n);
   Eigen::Tensor<T, 2, Layout> y(rows, n), dx(rows, n);
   NormStats<T> st;
   rn.forward(x, y, st);
   std::vector<long double> rref;
-  const auto ref =
-      normcore::reference::rms_norm_forward(xl.data(), rows, n, rn.weight().data(), 1e-6, &rref);
-  const auto yl =
-      rm ? std::vector<T>(y.data(), y.data() + y.size()) : from_colmajor(y.data(), rows, n);
+  const auto ref = normcore::reference::rms_norm_forward(xl.data(), rows, n, rn.weight().data(), 1e-6, &rref);
+  const auto yl = rm ? std::vector<T>(y.data(), y.data() + y.size()) : from_colmajor(y.data(), rows, n);
   EXPECT_LE(max_diff(yl.data(), ref), tol_elem<T>(max_abs(ref) + 1, double(n)));
   for (Index r = 0; r < rows; ++r)
-    EXPECT_NEAR(double(st.rstd(r)) / double(rref[static_cast<std::size_t>(r)]), 1.0,
-                tol_elem<T>(1.0, double(n)));
+    EXPECT_NEAR(double(st.rstd(r)) / double(rref[static_cast<std::size_t>(r)]), 1.0, tol_elem<T>(1.0, double(n)));
   Eigen::Tensor<T, 1> dw;
   rn.backward(x, dy, &dx, &dw, &st);
-  const auto gref = normcore::reference::rms_norm_backward(xl.data(), dyl.data(), rows, n,
-                                                           rn.weight().data(), 1e-6);
-  const auto dxl =
-      rm ? std::vector<T>(dx.data(), dx.data() + dx.size()) : from_colmajor(dx.data(), rows, n);
+  const auto gref = normcore::reference::rms_norm_backward(xl.data(), dyl.data(), rows, n, rn.weight().data(), 1e-6);
+  const auto dxl = rm ? std::vector<T>(dx.data(), dx.data() + dx.size()) : from_colmajor(dx.data(), rows, n);
   double rmax = 0;
   for (long double v : rref) rmax = std::max(rmax, double(v));
-  EXPECT_LE(max_diff(dxl.data(), gref.dx),
-            tol_elem<T>(rmax * (max_abs(gref.dx) / rmax + 8), double(n)));
-  EXPECT_LE(max_diff(dw.data(), gref.dweight),
-            tol<T>(max_abs(gref.dweight) + 16, double(rows) + 8));
+  EXPECT_LE(max_diff(dxl.data(), gref.dx), tol_elem<T>(rmax * (max_abs(gref.dx) / rmax + 8), double(n)));
+  EXPECT_LE(max_diff(dw.data(), gref.dweight), tol<T>(max_abs(gref.dweight) + 16, double(rows) + 8));
 }
 
 TYPED_TEST(RMSNormTest, MatchesReferenceOnAwkwardLengthsBothLayouts) {
@@ -121,8 +113,7 @@ TEST(RMSNormGradient, MatchesCentralDifferences) {
       v = keep - h;
       const double lm = loss();
       v = keep;
-      EXPECT_NEAR(g.dx.data()[i], (lp - lm) / (2 * h), 1e-6 * (1 + std::fabs(g.dx.data()[i])))
-          << "n=" << n;
+      EXPECT_NEAR(g.dx.data()[i], (lp - lm) / (2 * h), 1e-6 * (1 + std::fabs(g.dx.data()[i]))) << "n=" << n;
     }
     for (Index j = 0; j < n; ++j) {
       double& p = rn.weight()(j);
@@ -132,8 +123,7 @@ TEST(RMSNormGradient, MatchesCentralDifferences) {
       p = keep - h;
       const double lm = loss();
       p = keep;
-      EXPECT_NEAR(g.dweight(j), (lp - lm) / (2 * h), 1e-6 * (1 + std::fabs(g.dweight(j))))
-          << "n=" << n;
+      EXPECT_NEAR(g.dweight(j), (lp - lm) / (2 * h), 1e-6 * (1 + std::fabs(g.dweight(j)))) << "n=" << n;
     }
   }
 }
@@ -186,7 +176,7 @@ TYPED_TEST(RMSNormTest, BatchIndependenceBitForBit) {
     Eigen::Tensor<T, 2, Eigen::RowMajor> yr = rn(xr);
     Eigen::TensorMap<const Eigen::Tensor<T, 2, Eigen::RowMajor>> xr1(xl.data() + pick * n, 1, n);
     Eigen::Tensor<T, 2, Eigen::RowMajor> yr1 = rn(xr1);
-    // The backward's dx too: its rows go in groups as well.
+    // The backward's dx too.
     const auto dyl = randn<T>(static_cast<std::size_t>(rows * n), 13);
     Eigen::TensorMap<const Eigen::Tensor<T, 2, Eigen::RowMajor>> dyr(dyl.data(), rows, n);
     Eigen::TensorMap<const Eigen::Tensor<T, 2, Eigen::RowMajor>> dyr1(dyl.data() + pick * n, 1, n);

@@ -339,13 +339,12 @@ class LayerNorm {
   }
 
   // `count` rows of n contiguous values; mean/rstd (optional) per row.
-  // Short rows: statistics for a group of rows, then their normalization
-  // (the group is still in L1). Long rows: one row at a time.
+  // Statistics for a group of rows (up to kCoeffGroup, at most
+  // detail::kGroupBytes), then their normalization while the group is
+  // still in L1.
   void forward_rows(const T* x, T* out, Index n, Index count, T* mean, T* rstd, const T* g,
                     const T* b) const {
-    const Index group = n < detail::kShortRowPackets * detail::simd<T>::L
-                            ? kCoeffGroup
-                            : detail::rows_per_group(n, sizeof(T), kCoeffGroup);
+    const Index group = detail::rows_per_group(n, sizeof(T), kCoeffGroup);
     detail::NormCoeffs<T> k[kCoeffGroup];
     for (Index r0 = 0; r0 < count; r0 += group) {
       const Index m = std::min(group, count - r0);

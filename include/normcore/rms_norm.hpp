@@ -416,8 +416,7 @@ class RMSNorm {
     using namespace Eigen::internal;
     using Packet = typename detail::simd<T>::Packet;
     constexpr int L = detail::simd<T>::L;
-    const Index group = n < detail::kShortRowPackets * L ? kRstdGroup
-                                                         : detail::rows_per_group(n, sizeof(T), kRstdGroup);
+    const Index group = detail::rows_per_group(n, sizeof(T), kRstdGroup);
     W rg[kRstdGroup];
     for (Index r0 = 0; r0 < count; r0 += group) {
       const Index m = std::min(group, count - r0);

@@ -237,7 +237,8 @@ constexpr Index kShortRowPackets = 16;
 /// L1 when it is read the second time.
 constexpr Index kGroupBytes = 16 * 1024;
 
-/// Rows of n values of `bytes` each taken per group, 1..max_group.
+/// Rows of n values of `bytes` each taken per group, 1..max_group. Short
+/// rows (under kShortRowPackets packets, at most 1 KB) always get max_group.
 inline Index rows_per_group(Index n, Index bytes, Index max_group) {
   const Index fit = kGroupBytes / std::max<Index>(1, n * bytes);
   return std::max<Index>(1, std::min<Index>(max_group, fit));
