@@ -583,72 +583,89 @@ class RMSNorm {
     using Packet = typename detail::simd<T>::Packet;
     constexpr int L = detail::simd<T>::L;
     T* const acc = gacc.w.data();  // a raw pointer: no reload after every store
+    // sum(g * x) * rstd / n of row i, the constant of its dx.
+    auto row_c = [&](Index i, T rt) {
+      const T* xr = x + i * n;
+      const T* gr = dy + i * n;
+      Packet s0 = pset1<Packet>(T(0)), s1 = s0;
+      Index j = 0;
+      for (; j + 2 * L <= n; j += 2 * L) {
+        Packet g0v = ploadu<Packet>(gr + j), g1v = ploadu<Packet>(gr + j + L);
+        if (g) {
+          g0v = pmul(g0v, ploadu<Packet>(g + j));
+          g1v = pmul(g1v, ploadu<Packet>(g + j + L));
+        }
+        s0 = pmadd(g0v, ploadu<Packet>(xr + j), s0);
+        s1 = pmadd(g1v, ploadu<Packet>(xr + j + L), s1);
+      }
+      for (; j + L <= n; j += L) {
+        Packet g0v = ploadu<Packet>(gr + j);
+        if (g) g0v = pmul(g0v, ploadu<Packet>(g + j));
+        s0 = pmadd(g0v, ploadu<Packet>(xr + j), s0);
+      }
+      double sgx = static_cast<double>(predux(padd(s0, s1)));
+      for (; j < n; ++j)
+        sgx += static_cast<double>(g ? gr[j] * g[j] : gr[j]) * static_cast<double>(xr[j]);
+      return static_cast<T>(static_cast<double>(rt) * sgx / static_cast<double>(n));
+    };
+    // Short rows: the constants of a group of rows first, then their dx,
+    // so that one row's horizontal sum and division overlap the next row's
+    // loads instead of stalling its second pass. (Long rows one at a time:
+    // grouping them measured slower.)
+    const Index group = n < detail::kShortRowPackets * L ? kRstdGroup : 1;
+    T cs[kRstdGroup];
     for (Index b0 = 0; b0 < count;) {
       const Index b1 = std::min(count, b0 + (kRowBlock - gacc.rows));
-      for (Index i = b0; i < b1; ++i) {
-        const T* xr = x + i * n;
-        const T* gr = dy + i * n;
-        const W ri = r[i];
-        if (!detail::normal_in<T>(ri)) {
-          long double sgx = 0;
-          for (Index j = 0; j < n; ++j) {
-            const long double gj = static_cast<long double>(gr[j]) * (g ? static_cast<long double>(g[j]) : 1.0L);
-            sgx += gj * static_cast<long double>(xr[j]) * ri;
-          }
-          const long double c = sgx / static_cast<long double>(n);
-          for (Index j = 0; j < n; ++j) {
-            const long double xh = static_cast<long double>(xr[j]) * ri;
-            const long double gj = static_cast<long double>(gr[j]) * (g ? static_cast<long double>(g[j]) : 1.0L);
-            if (dx) {
-              long double v = ri * (gj - xh * c);
-              if (dh) v += static_cast<long double>(dh[i * n + j]);
-              dx[i * n + j] = static_cast<T>(v);
+      for (Index i0 = b0; i0 < b1; i0 += group) {
+        const Index i1 = std::min(b1, i0 + group);
+        for (Index i = i0; i < i1; ++i)
+          if (detail::normal_in<T>(r[i])) cs[i - i0] = row_c(i, static_cast<T>(r[i]));
+        for (Index i = i0; i < i1; ++i) {
+          const T* xr = x + i * n;
+          const T* gr = dy + i * n;
+          const W ri = r[i];
+          if (!detail::normal_in<T>(ri)) {
+            long double sgx = 0;
+            for (Index j = 0; j < n; ++j) {
+              const long double gj = static_cast<long double>(gr[j]) * (g ? static_cast<long double>(g[j]) : 1.0L);
+              sgx += gj * static_cast<long double>(xr[j]) * ri;
             }
-            if (dwp) dwp[j] += static_cast<double>(static_cast<long double>(gr[j]) * xh);
+            const long double c = sgx / static_cast<long double>(n);
+            for (Index j = 0; j < n; ++j) {
+              const long double xh = static_cast<long double>(xr[j]) * ri;
+              const long double gj = static_cast<long double>(gr[j]) * (g ? static_cast<long double>(g[j]) : 1.0L);
+              if (dx) {
+                long double v = ri * (gj - xh * c);
+                if (dh) v += static_cast<long double>(dh[i * n + j]);
+                dx[i * n + j] = static_cast<T>(v);
+              }
+              if (dwp) dwp[j] += static_cast<double>(static_cast<long double>(gr[j]) * xh);
+            }
+            continue;
           }
-          continue;
-        }
-        const T rt = static_cast<T>(ri);
-        Packet s0 = pset1<Packet>(T(0)), s1 = s0;
-        Index j = 0;
-        for (; j + 2 * L <= n; j += 2 * L) {
-          Packet g0v = ploadu<Packet>(gr + j), g1v = ploadu<Packet>(gr + j + L);
-          if (g) {
-            g0v = pmul(g0v, ploadu<Packet>(g + j));
-            g1v = pmul(g1v, ploadu<Packet>(g + j + L));
+          const T rt = static_cast<T>(ri);
+          const T c = cs[i - i0];
+          const Packet pr = pset1<Packet>(rt), pc = pset1<Packet>(c);
+          Index j = 0;
+          for (; j + L <= n; j += L) {
+            const Packet dyv = ploadu<Packet>(gr + j);
+            const Packet xh = pmul(ploadu<Packet>(xr + j), pr);
+            if (dx) {
+              const Packet gv = g ? pmul(dyv, ploadu<Packet>(g + j)) : dyv;
+              Packet v = pmul(pr, psub(gv, pmul(xh, pc)));
+              if (dh) v = padd(v, ploadu<Packet>(dh + i * n + j));
+              pstoreu(dx + i * n + j, v);
+            }
+            if (dwp) pstoreu(acc + j, pmadd(dyv, xh, ploadu<Packet>(acc + j)));
           }
-          s0 = pmadd(g0v, ploadu<Packet>(xr + j), s0);
-          s1 = pmadd(g1v, ploadu<Packet>(xr + j + L), s1);
-        }
-        for (; j + L <= n; j += L) {
-          Packet g0v = ploadu<Packet>(gr + j);
-          if (g) g0v = pmul(g0v, ploadu<Packet>(g + j));
-          s0 = pmadd(g0v, ploadu<Packet>(xr + j), s0);
-        }
-        double sgx = static_cast<double>(predux(padd(s0, s1)));
-        for (; j < n; ++j)
-          sgx += static_cast<double>(g ? gr[j] * g[j] : gr[j]) * static_cast<double>(xr[j]);
-        const T c = static_cast<T>(static_cast<double>(rt) * sgx / static_cast<double>(n));
-        const Packet pr = pset1<Packet>(rt), pc = pset1<Packet>(c);
-        j = 0;
-        for (; j + L <= n; j += L) {
-          const Packet dyv = ploadu<Packet>(gr + j);
-          const Packet xh = pmul(ploadu<Packet>(xr + j), pr);
-          if (dx) {
-            const Packet gv = g ? pmul(dyv, ploadu<Packet>(g + j)) : dyv;
-            Packet v = pmul(pr, psub(gv, pmul(xh, pc)));
-            if (dh) v = padd(v, ploadu<Packet>(dh + i * n + j));
-            pstoreu(dx + i * n + j, v);
+          for (; j < n; ++j) {
+            const T xh = xr[j] * rt;
+            if (dx) {
+              const T v = rt * ((g ? gr[j] * g[j] : gr[j]) - xh * c);
+              dx[i * n + j] = dh ? v + dh[i * n + j] : v;
+            }
+            if (dwp) acc[j] = detail::madd(gr[j], xh, acc[j]);
           }
-          if (dwp) pstoreu(acc + j, pmadd(dyv, xh, ploadu<Packet>(acc + j)));
-        }
-        for (; j < n; ++j) {
-          const T xh = xr[j] * rt;
-          if (dx) {
-            const T v = rt * ((g ? gr[j] * g[j] : gr[j]) - xh * c);
-            dx[i * n + j] = dh ? v + dh[i * n + j] : v;
-          }
-          if (dwp) acc[j] = detail::madd(gr[j], xh, acc[j]);
         }
       }
       gacc.rows += b1 - b0;
