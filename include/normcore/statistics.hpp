@@ -279,9 +279,62 @@ void short_rows_moments(const T* const* rows, Index n, Welford<double>* out) {
       m2[r] = pmadd(delta, psub(d, mean[r]), m2[r]);
     }
   }
+  const Index full = packets * L;
+  const Index rest = n - full;
+  // 1b. The tail (0 < rest < L values), when the row has a full packet: the
+  //     row's last L values, of which lanes L - rest .. L - 1 are the tail;
+  //     the other lanes' delta is masked to 0, so their state is unchanged.
+  //     Lane l then holds c_l = packets + (l >= L - rest) values.
+  const bool lane_tail = packets > 0 && rest > 0;
+  if (lane_tail) {
+    const Packet inv = pset1<Packet>(recip[static_cast<std::size_t>(packets + 1)]);
+    const Packet mask = pcmp_le(pset1<Packet>(static_cast<T>(L - rest)), plset<Packet>(T(0)));
+    for (int r = 0; r < R; ++r) {
+      const Packet d = psub(ploadu<Packet>(rows[r] + n - L), pset1<Packet>(rows[r][0]));
+      const Packet delta = pand(psub(d, mean[r]), mask);
+      mean[r] = pmadd(delta, inv, mean[r]);
+      m2[r] = pmadd(delta, psub(d, mean[r]), m2[r]);
+    }
+  }
   alignas(64) double mu[R];
   alignas(64) double q[R];
-  if (packets > 0) {
+  if (lane_tail) {
+    // 2'. As 2 and 3 below with unequal lane counts: mean = sum c_l mean_l / n,
+    //     M2 = sum M2_l + sum c_l (mean_l - mean)^2, the lanes summed by
+    //     halving in the same tree.
+    alignas(64) double mt[L * R];
+    alignas(64) double qt[L * R];
+    alignas(64) double st[L * R];
+    for (int r = 0; r < R; ++r) {
+      alignas(64) T a[L];
+      alignas(64) T b[L];
+      pstore(a, mean[r]);
+      pstore(b, m2[r]);
+      for (int l = 0; l < L; ++l) {
+        const double c = static_cast<double>(packets + (l >= L - rest ? 1 : 0));
+        mt[l * R + r] = static_cast<double>(a[l]);
+        st[l * R + r] = c * static_cast<double>(a[l]);
+        qt[l * R + r] = static_cast<double>(b[l]);
+      }
+    }
+    for (int h = L / 2; h >= 1; h /= 2) {
+      for (int l = 0; l < h; ++l) {
+        pstore(st + l * R, padd(pload<PD>(st + l * R), pload<PD>(st + (l + h) * R)));
+        pstore(qt + l * R, padd(pload<PD>(qt + l * R), pload<PD>(qt + (l + h) * R)));
+      }
+    }
+    const PD avg = pdiv(pload<PD>(st), pset1<PD>(static_cast<double>(n)));
+    for (int l = 0; l < L; ++l) {
+      const PD c = pset1<PD>(static_cast<double>(packets + (l >= L - rest ? 1 : 0)));
+      const PD e = psub(pload<PD>(mt + l * R), avg);
+      pstore(mt + l * R, pmul(c, pmul(e, e)));
+    }
+    for (int h = L / 2; h >= 1; h /= 2) {
+      for (int l = 0; l < h; ++l) pstore(mt + l * R, padd(pload<PD>(mt + l * R), pload<PD>(mt + (l + h) * R)));
+    }
+    pstore(mu, avg);
+    pstore(q, padd(pload<PD>(qt), pload<PD>(mt)));
+  } else if (packets > 0) {
     // 2. Widen and transpose: lane l of row r at [l * R + r].
     alignas(64) double mt[L * R];
     alignas(64) double qt[L * R];
@@ -320,11 +373,8 @@ void short_rows_moments(const T* const* rows, Index n, Welford<double>* out) {
     pstore(mu, avg);
     pstore(q, padd(pload<PD>(qt), pmul(k, pload<PD>(mt))));
   }
-  // 4. Tail (< L values): two-pass in double per row, then Chan's merge with
-  //    the packets' state, vertical across the rows.
-  const Index full = packets * L;
-  const Index rest = n - full;
-  if (rest > 0) {
+  // 4. Rows without a full packet (n < L): two-pass in double per row.
+  if (packets == 0) {
     alignas(64) double tm[R];
     alignas(64) double tq[R];
     for (int r = 0; r < R; ++r) {
@@ -343,18 +393,8 @@ void short_rows_moments(const T* const* rows, Index n, Welford<double>* out) {
       }
       tq[r] = qq;
     }
-    if (packets > 0) {
-      // mean += delta * rest/n; M2 += M2_tail + delta^2 * full * rest/n.
-      const PD fb = pset1<PD>(static_cast<double>(rest) / static_cast<double>(n));
-      const PD m0 = pload<PD>(mu);
-      const PD delta = psub(pload<PD>(tm), m0);
-      pstore(mu, padd(m0, pmul(delta, fb)));
-      const PD spread = pmul(pmul(pmul(delta, delta), pset1<PD>(static_cast<double>(full))), fb);
-      pstore(q, padd(padd(pload<PD>(q), pload<PD>(tq)), spread));
-    } else {
-      pstore(mu, pload<PD>(tm));
-      pstore(q, pload<PD>(tq));
-    }
+    pstore(mu, pload<PD>(tm));
+    pstore(q, pload<PD>(tq));
   }
   for (int r = 0; r < R; ++r) out[r] = Welford<double>(static_cast<double>(n), mu[r], q[r]);
 }
