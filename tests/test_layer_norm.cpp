@@ -230,6 +230,30 @@ TYPED_TEST(LayerNormTest, BatchSizeIndependenceBitForBit) {
   }
 }
 
+// In place (y is x): the same bits as into a separate y, on lengths with and
+// without a tail after the last full packet (a kernel that reads a row's x
+// after writing part of its y fails here).
+TYPED_TEST(LayerNormTest, InPlaceForwardMatchesOutOfPlaceBitForBit) {
+  using T = TypeParam;
+  for (Index n : {Index(7), Index(50), Index(64), Index(100), Index(1000)}) {
+    SCOPED_TRACE(::testing::Message() << "n=" << n);
+    const Index rows = 11;
+    LayerNorm<T> ln(LayerNormOptions({n}));
+    const auto gv = randn<T>(static_cast<std::size_t>(n), 7, 1.0, 0.5);
+    const auto bv = randn<T>(static_cast<std::size_t>(n), 8, 0.0, 0.5);
+    std::copy(gv.begin(), gv.end(), ln.weight().data());
+    std::copy(bv.begin(), bv.end(), ln.bias().data());
+    auto buf = randn<T>(static_cast<std::size_t>(rows * n), 9, 0.5, 2.0);
+    const auto xs = buf;
+    Eigen::TensorMap<const Eigen::Tensor<T, 2, Eigen::RowMajor>> x(xs.data(), rows, n);
+    Eigen::Tensor<T, 2, Eigen::RowMajor> y(rows, n);
+    ln.forward(x, y);
+    Eigen::TensorMap<Eigen::Tensor<T, 2, Eigen::RowMajor>> inplace(buf.data(), rows, n);
+    ln.forward(inplace, inplace);
+    for (Index i = 0; i < rows * n; ++i) ASSERT_EQ(buf[static_cast<std::size_t>(i)], y.data()[i]) << "at " << i;
+  }
+}
+
 // Float rows with mean 1e4..1e6 and standard deviation 1. The tolerance is
 // the floor set by the input itself (ulp(mean)/2 / std) times 1.5; the naive
 // E[x^2] - E[x]^2 formula misses it on the same data, so this test can fail.

@@ -56,6 +56,27 @@ TYPED_TEST(RMSNormTest, MatchesReferenceOnAwkwardLengthsBothLayouts) {
   }
 }
 
+// In place (y is x): the same bits as into a separate y (as the LayerNorm
+// test of the same name).
+TYPED_TEST(RMSNormTest, InPlaceForwardMatchesOutOfPlaceBitForBit) {
+  using T = TypeParam;
+  for (Index n : {Index(7), Index(50), Index(64), Index(100), Index(1000)}) {
+    SCOPED_TRACE(::testing::Message() << "n=" << n);
+    const Index rows = 11;
+    RMSNorm<T> rn(RMSNormOptions({n}));
+    const auto gv = randn<T>(static_cast<std::size_t>(n), 7, 1.0, 0.5);
+    std::copy(gv.begin(), gv.end(), rn.weight().data());
+    auto buf = randn<T>(static_cast<std::size_t>(rows * n), 9, 0.5, 2.0);
+    const auto xs = buf;
+    Eigen::TensorMap<const Eigen::Tensor<T, 2, Eigen::RowMajor>> x(xs.data(), rows, n);
+    Eigen::Tensor<T, 2, Eigen::RowMajor> y(rows, n);
+    rn.forward(x, y);
+    Eigen::TensorMap<Eigen::Tensor<T, 2, Eigen::RowMajor>> inplace(buf.data(), rows, n);
+    rn.forward(inplace, inplace);
+    for (Index i = 0; i < rows * n; ++i) ASSERT_EQ(buf[static_cast<std::size_t>(i)], y.data()[i]) << "at " << i;
+  }
+}
+
 // Squares that overflow or underflow T: still the right answer.
 TYPED_TEST(RMSNormTest, ExtremeMagnitudes) {
   using T = TypeParam;
