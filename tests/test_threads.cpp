@@ -25,9 +25,12 @@ void check_row_layers(Index rows, Index n) {
   ln.backward(x, dy, &dx0, &dw0, &db0, &s0);
   rn.forward(x, r0);
   rn.backward(x, dy, &rdx0, &rdw0);
-  for (int threads : {1, 2, 3, 4}) {
-    Eigen::ThreadPool pool(threads);
-    Eigen::ThreadPoolDevice dev(&pool, threads);
+  // Pools of N threads, and of N - 1 (the calling thread as the Nth, the
+  // configuration the README recommends).
+  for (int threads : {1, 2, 3, 4, -2, -3}) {
+    const int total = threads > 0 ? threads : -threads;
+    Eigen::ThreadPool pool(threads > 0 ? threads : total - 1);
+    Eigen::ThreadPoolDevice dev(&pool, total);
     Eigen::Tensor<T, 2, Layout> y(rows, n), dx(rows, n), r(rows, n), rdx(rows, n);
     Eigen::Tensor<T, 1> dw, db, rdw;
     normcore::NormStats<T> s;

@@ -5,9 +5,13 @@
 // Eigen::ThreadPoolDevice provides (#define EIGEN_USE_THREADS before
 // including Eigen's Tensor header):
 //
-//   Eigen::ThreadPool pool(2);
-//   Eigen::ThreadPoolDevice device(&pool, 2);
+//   Eigen::ThreadPool pool(1);                  // N - 1 pool threads:
+//   Eigen::ThreadPoolDevice device(&pool, 2);  // the caller is the Nth
 //   ln.forward(device, x, y);
+//
+// numThreads() is the number of threads that work, the calling thread
+// included (it runs parts too), so a pool of N - 1 serves N threads; with a
+// pool of N, one pool thread idles (see README, Threads).
 //
 // Rows (BatchNorm: channels, then rows) are split into contiguous ranges, one
 // per thread; small inputs stay on the calling thread. Cross-row reductions
