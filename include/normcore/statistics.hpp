@@ -250,12 +250,15 @@ inline Index rows_per_group(Index n, Index bytes, Index max_group) {
 /// only on its own values and on n, never on the rows it is grouped with.
 ///   1. One Welford accumulator per row, the rows interleaved: the group's
 ///      chains are independent, so the loop runs at throughput, not latency.
+///      The tail (n mod L values) is one more update of the row's last L
+///      values with the lanes that already counted theirs masked out.
 ///   2. The lane states are widened to double and transposed (lane-major,
 ///      one double packet per lane holds that lane of every row).
-///   3. merge_equal's closed form, in double, summing the lanes by halving
+///   3. merge_equal's closed form, in double (each lane weighted by its own
+///      count when a tail made them unequal), summing the lanes by halving
 ///      (lane l += lane l + h for h = L/2, ..., 1): the same tree on every
 ///      ISA.
-///   4. The tail (< L values), two-pass in double, merged by Chan's formula.
+///   4. Rows shorter than one packet: two-pass in double.
 template <typename T>
 void short_rows_moments(const T* const* rows, Index n, Welford<double>* out) {
   using namespace Eigen::internal;
@@ -301,7 +304,9 @@ void short_rows_moments(const T* const* rows, Index n, Welford<double>* out) {
   if (lane_tail) {
     // 2'. As 2 and 3 below with unequal lane counts: mean = sum c_l mean_l / n,
     //     M2 = sum M2_l + sum c_l (mean_l - mean)^2, the lanes summed by
-    //     halving in the same tree.
+    //     halving in the same tree. (A separate branch: folded into 2 and 3,
+    //     GCC contracted their multiply-adds differently, changing the bits
+    //     of rows without a tail.)
     alignas(64) double mt[L * R];
     alignas(64) double qt[L * R];
     alignas(64) double st[L * R];
