@@ -161,7 +161,7 @@ def machine_section(ctxs, cxx_flags):
         ("OS", f"{platform.system()} {platform.release()}"),
         ("Compiler", ctx.get("compiler", "unknown")),
         ("Flags (bench target)", ctx.get("cxx_flags", cxx_flags or "unknown")),
-        ("normcore", f"{ctx.get('normcore_version', '?')}, built for {ctx.get('normcore_isa', '?')}, on an Eigen::ThreadPoolDevice when threads > 1"),
+        ("normcore", f"{ctx.get('normcore_version', '?')}, built for {ctx.get('normcore_isa', '?')}, on an Eigen::ThreadPoolDevice when threads > 1 (the caller and a pool of threads - 1)"),
         ("Eigen", ctx.get("eigen_version", "?")),
         ("libtorch", ctx.get("libtorch", "not built")),
         ("oneDNN", ctx.get("onednn", "not built")),
@@ -240,8 +240,9 @@ def write_markdown(path, per_threads, ctxs, cxx_flags, png_name):
            "the repetitions. `normcore / memcpy` is the fraction of the copy roofline (a memcpy moving "
            "the same bytes). `÷ peer` is normcore's speed relative to that peer (peer time / normcore "
            "time: above 1× normcore is faster). In the 2-thread tables every implementation uses 2 "
-           "threads (normcore and Eigen an Eigen::ThreadPoolDevice, libtorch and oneDNN OpenMP, the "
-           "memcpy an OpenMP split). "
+           "threads (normcore an Eigen::ThreadPoolDevice of 2 threads: the calling thread and a pool "
+           "of 1; the Eigen baseline a pool of 2, its calling thread waiting; libtorch and oneDNN "
+           "OpenMP; the memcpy an OpenMP split). "
            "The machine is a shared 2-core VM (another build may be running), so small differences are "
            "noise, and the 2-thread numbers of small shapes mostly measure thread wake-up latency.", "",
            "Ops ending in `_bf16` / `_f16` store activations and parameters in bfloat16 / half (arithmetic "
