@@ -1,6 +1,8 @@
 // Devices: every layer on an Eigen::ThreadPoolDevice gives results
 // bit-identical to the calling thread alone, for any number of threads.
 #define EIGEN_USE_THREADS
+#include <utility>
+
 #include "test_util.hpp"
 
 namespace {
@@ -25,12 +27,12 @@ void check_row_layers(Index rows, Index n) {
   ln.backward(x, dy, &dx0, &dw0, &db0, &s0);
   rn.forward(x, r0);
   rn.backward(x, dy, &rdx0, &rdw0);
-  // Pools of N threads, and of N - 1 (the calling thread as the Nth, the
-  // configuration the README recommends).
-  for (int threads : {1, 2, 3, 4, -2, -3}) {
-    const int total = threads > 0 ? threads : -threads;
-    Eigen::ThreadPool pool(threads > 0 ? threads : total - 1);
-    Eigen::ThreadPoolDevice dev(&pool, total);
+  // {pool threads, device threads}: pools of N, and of N - 1 (the calling
+  // thread as the Nth, the configuration the README recommends).
+  const std::pair<int, int> configs[] = {{1, 1}, {2, 2}, {3, 3}, {4, 4}, {1, 2}, {2, 3}};
+  for (const auto& [pool_threads, threads] : configs) {
+    Eigen::ThreadPool pool(pool_threads);
+    Eigen::ThreadPoolDevice dev(&pool, threads);
     Eigen::Tensor<T, 2, Layout> y(rows, n), dx(rows, n), r(rows, n), rdx(rows, n);
     Eigen::Tensor<T, 1> dw, db, rdw;
     normcore::NormStats<T> s;

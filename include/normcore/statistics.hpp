@@ -244,6 +244,18 @@ inline Index rows_per_group(Index n, Index bytes, Index max_group) {
   return std::max<Index>(1, std::min<Index>(max_group, fit));
 }
 
+/// a[l * R + r] += a[(l + h) * R + r] for h = L/2, ..., 1 (R = one double
+/// packet of rows): lane 0 ends with the sum of the L lanes of every row, in
+/// the same tree on every ISA.
+template <int L>
+inline void sum_lanes_by_halving(double* a) {
+  using namespace Eigen::internal;
+  using PD = typename simd<double>::Packet;
+  constexpr int R = simd<double>::L;
+  for (int h = L / 2; h >= 1; h /= 2)
+    for (int l = 0; l < h; ++l) pstore(a + l * R, padd(pload<PD>(a + l * R), pload<PD>(a + (l + h) * R)));
+}
+
 /// Moments of simd<double>::L short rows (n < kShortRowPackets packets) side
 /// by side, each shifted by its first value; out[r] in shifted coordinates.
 /// Every operation is vertical across the rows, so a row's result depends
@@ -322,21 +334,15 @@ void short_rows_moments(const T* const* rows, Index n, Welford<double>* out) {
         qt[l * R + r] = static_cast<double>(b[l]);
       }
     }
-    for (int h = L / 2; h >= 1; h /= 2) {
-      for (int l = 0; l < h; ++l) {
-        pstore(st + l * R, padd(pload<PD>(st + l * R), pload<PD>(st + (l + h) * R)));
-        pstore(qt + l * R, padd(pload<PD>(qt + l * R), pload<PD>(qt + (l + h) * R)));
-      }
-    }
+    sum_lanes_by_halving<L>(st);
+    sum_lanes_by_halving<L>(qt);
     const PD avg = pdiv(pload<PD>(st), pset1<PD>(static_cast<double>(n)));
     for (int l = 0; l < L; ++l) {
       const PD c = pset1<PD>(static_cast<double>(packets + (l >= L - rest ? 1 : 0)));
       const PD e = psub(pload<PD>(mt + l * R), avg);
       pstore(mt + l * R, pmul(c, pmul(e, e)));
     }
-    for (int h = L / 2; h >= 1; h /= 2) {
-      for (int l = 0; l < h; ++l) pstore(mt + l * R, padd(pload<PD>(mt + l * R), pload<PD>(mt + (l + h) * R)));
-    }
+    sum_lanes_by_halving<L>(mt);
     pstore(mu, avg);
     pstore(q, padd(pload<PD>(qt), pload<PD>(mt)));
   } else if (packets > 0) {
@@ -360,20 +366,14 @@ void short_rows_moments(const T* const* rows, Index n, Welford<double>* out) {
     // does not follow its index arithmetic; zero-filling cost a memset per group).
     // cppcheck-suppress uninitvar
     for (int l = 0; l < L * R; ++l) st[l] = mt[l];
-    for (int h = L / 2; h >= 1; h /= 2) {
-      for (int l = 0; l < h; ++l) {
-        pstore(st + l * R, padd(pload<PD>(st + l * R), pload<PD>(st + (l + h) * R)));
-        pstore(qt + l * R, padd(pload<PD>(qt + l * R), pload<PD>(qt + (l + h) * R)));
-      }
-    }
+    sum_lanes_by_halving<L>(st);
+    sum_lanes_by_halving<L>(qt);
     const PD avg = pdiv(pload<PD>(st), pset1<PD>(static_cast<double>(L)));
     for (int l = 0; l < L; ++l) {
       const PD e = psub(pload<PD>(mt + l * R), avg);
       pstore(mt + l * R, pmul(e, e));
     }
-    for (int h = L / 2; h >= 1; h /= 2) {
-      for (int l = 0; l < h; ++l) pstore(mt + l * R, padd(pload<PD>(mt + l * R), pload<PD>(mt + (l + h) * R)));
-    }
+    sum_lanes_by_halving<L>(mt);
     const PD k = pset1<PD>(static_cast<double>(packets));
     pstore(mu, avg);
     pstore(q, padd(pload<PD>(qt), pmul(k, pload<PD>(mt))));
@@ -550,7 +550,6 @@ template <typename T>
 void short_rows_sum_squares(const T* const* rows, Index n, double* out) {
   using namespace Eigen::internal;
   using Packet = typename simd<T>::Packet;
-  using PD = typename simd<double>::Packet;
   constexpr int L = simd<T>::L;
   constexpr int R = simd<double>::L;
   const Index packets = n / L;
@@ -568,9 +567,7 @@ void short_rows_sum_squares(const T* const* rows, Index n, double* out) {
     pstore(a, acc[r]);
     for (int l = 0; l < L; ++l) st[l * R + r] = static_cast<double>(a[l]);
   }
-  for (int h = L / 2; h >= 1; h /= 2) {
-    for (int l = 0; l < h; ++l) pstore(st + l * R, padd(pload<PD>(st + l * R), pload<PD>(st + (l + h) * R)));
-  }
+  sum_lanes_by_halving<L>(st);
   for (int r = 0; r < R; ++r) {
     double total = st[r];
     for (Index j = packets * L; j < n; ++j) total += static_cast<double>(rows[r][j]) * static_cast<double>(rows[r][j]);
