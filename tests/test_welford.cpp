@@ -149,6 +149,31 @@ TYPED_TEST(MomentsTest, LongRowsFlushChunksToDouble) {
               tol_elem<T>(ref.m2 / double(n), double(n)) + tol<double>(ref.m2 / double(n), double(n)));
 }
 
+// Every count of leftover packets (fewer than one per accumulator) after one
+// and after two full chunks, with and without a scalar tail. A full chunk
+// followed by 1..A-1 leftover packets once read 1/(kChunk+1) past the end of
+// the reciprocal table: a wrong mean and variance for rows of, e.g., 16400
+// floats with AVX2 or 8200 with SSE.
+TYPED_TEST(MomentsTest, EveryLeftoverAfterFullChunks) {
+  using T = TypeParam;
+  constexpr Index L = normcore::detail::simd<T>::L, A = normcore::detail::simd<T>::A;
+  constexpr Index full = A * normcore::detail::kChunk;  // packets in a full chunk
+  for (Index chunks : {Index(1), Index(2)}) {
+    for (Index left = 0; left <= A; ++left) {
+      for (Index tail : {Index(0), Index(1), L - 1}) {
+        const Index n = (chunks * full + left) * L + tail;
+        const auto v = randn<T>(static_cast<std::size_t>(n), unsigned(n), 2.0, 3.0);
+        const auto w = normcore::row_moments(v.data(), n);
+        const TwoPass ref = two_pass(v.data(), n);
+        SCOPED_TRACE(::testing::Message() << "n=" << n << " chunks=" << chunks << " leftover=" << left);
+        EXPECT_EQ(w.count(), double(n));
+        EXPECT_NEAR(w.mean(), ref.mean, tol_elem<T>(3.0, double(n)) + tol<double>(3.0, double(n)));
+        EXPECT_NEAR(w.m2(), ref.m2, tol_elem<T>(ref.m2, double(n)) + tol<double>(ref.m2, double(n)));
+      }
+    }
+  }
+}
+
 TYPED_TEST(MomentsTest, LaneMomentsMatchTwoPassPerColumn) {
   using T = TypeParam;
   for (Index lanes : {Index(1), Index(3), Index(16), Index(21), Index(64)}) {

@@ -143,7 +143,8 @@ Welford<double> row_moments_acc(const T* x, Index n, T pivot) {
   const Index packets = n / L;  // full packets in the row
   Index p = 0;                  // packets consumed
   // Chunks of at most kChunk updates per lane; the last chunk also takes the
-  // leftover packets (fewer than A), one per accumulator.
+  // leftover packets (fewer than A), one per accumulator, in the last
+  // chunk's leftover update.
   do {
     const Index iters = std::min<Index>((packets - p) / A, detail::kChunk);
     Packet mean[A];
@@ -160,8 +161,11 @@ Welford<double> row_moments_acc(const T* x, Index n, T pivot) {
     }
     T count[A];
     for (int a = 0; a < A; ++a) count[a] = static_cast<T>(iters);
-    const bool last = packets - p < A;
-    if (last) {
+    // Leftover packets join this chunk only if it has room for one more
+    // update per lane (1/k comes from a table of kChunk + 1 entries); after
+    // a full chunk they start a chunk of their own.
+    const bool last = p == packets || (packets - p < A && iters < detail::kChunk);
+    if (last && p < packets) {
       const Packet inv = pset1<Packet>(recip[static_cast<std::size_t>(iters + 1)]);
       for (int a = 0; p < packets; ++a, ++p) {
         const Packet d = psub(ploadu<Packet>(x + p * L), pv);
