@@ -97,6 +97,43 @@ TYPED_TEST(BatchNormTest, TrainingForwardBackwardAllLayouts) {
   check_nchw<TypeParam>(300, 5, 1, 1, 98, 3.0);  // (N, C) with many rows
 }
 
+// A one-process reducer: it has nothing to add.
+class NoReducer : public normcore::BatchNormReducer {
+ public:
+  void allreduce_moments(normcore::Welford<double>*, Index) override {}
+  void allreduce_sums(double*, Index) override {}
+};
+
+// Channels first with long segments, backward fuses each channel group's sums
+// and dx into one pass, unless a reducer must add up the sums first. Both
+// orders must give the same bits, and the reference's numbers.
+TYPED_TEST(BatchNormTest, FusedChannelsFirstBackwardMatchesTwoPasses) {
+  using T = TypeParam;
+  for (Index inner : {Index(1024), Index(1031), Index(4100)}) {
+    const Index N = 3, C = 9;
+    SCOPED_TRACE(::testing::Message() << "inner " << inner);
+    const auto xv = randn<T>(static_cast<std::size_t>(N * C * inner), 5, 2.0, 3.0);
+    const auto dv = randn<T>(xv.size(), 6);
+    Eigen::TensorMap<const Eigen::Tensor<T, 3, Eigen::RowMajor>> x(xv.data(), N, C, inner), dy(dv.data(), N, C, inner);
+    BatchNorm<T> fused{BatchNormOptions(C)}, two{BatchNormOptions(C)};
+    randomize(fused, 7);
+    two.weight() = fused.weight();
+    two.bias() = fused.bias();
+    NoReducer none;
+    two.set_reducer(&none);
+    const auto a = fused.backward(x, dy), b = two.backward(x, dy);
+    EXPECT_TRUE(bit_equal(a.dx.data(), b.dx.data(), xv.size()));
+    EXPECT_TRUE(bit_equal(a.dweight.data(), b.dweight.data(), static_cast<std::size_t>(C)));
+    EXPECT_TRUE(bit_equal(a.dbias.data(), b.dbias.data(), static_cast<std::size_t>(C)));
+    const auto st = normcore::reference::channel_stats(xv.data(), N, C, inner);
+    const auto gref = normcore::reference::batch_norm_backward(xv.data(), dv.data(), N, C, inner, st.mean, st.var,
+                                                               fused.weight().data(), 1e-5, true);
+    double rmax = 0;
+    for (double v : st.var) rmax = std::max(rmax, 1 / std::sqrt(v + 1e-5));
+    EXPECT_LE(max_diff(a.dx.data(), gref.dx), tol_elem<T>(rmax * 8 * (1 + 2 * rmax), double(N * inner)));
+  }
+}
+
 TYPED_TEST(BatchNormTest, RunningStatisticsFollowPyTorch) {
   using T = TypeParam;
   for (std::optional<double> m : {std::optional<double>(0.1), std::optional<double>(0.3), std::optional<double>()}) {

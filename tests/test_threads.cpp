@@ -92,6 +92,7 @@ void check_batch_norm(Index N, Index C, Index S) {
 TEST(Threads, BatchNormBitIdenticalForAnyThreadCount) {
   check_batch_norm<1>(16, 37, 300);   // NCHW-like
   check_batch_norm<-1>(16, 37, 300);  // channels-last
+  check_batch_norm<1>(3, 40, 1500);   // the fused channels-first backward
 }
 
 }  // namespace

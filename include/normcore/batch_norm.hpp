@@ -256,6 +256,14 @@ class BatchNorm {
 
  private:
   static constexpr const char* kWho = "normcore::BatchNorm";
+  // Fused channels-first backward: channels go in groups whose segments make
+  // runs of at least kFusedRun contiguous elements, long enough for the
+  // hardware prefetcher, and only if a group's x and dy fit in kFusedBytes
+  // (so that the second read comes from cache). Measured on Zen 3: 0.85x
+  // the time at 32x64x56x56 (1 thread); shorter segments (14x14, 7x7) got
+  // slower fused, from the jumps between segments.
+  static constexpr Index kFusedRun = 4096;
+  static constexpr Index kFusedBytes = Index(4) << 20;
 
   // Memory view: element (o, c, i) at data[(o * C + c) * inner + i].
   struct View {
@@ -502,6 +510,35 @@ class BatchNorm {
     });
   }
 
+  // One segment (o, c) of a channels-first tensor: adds its sums (as in
+  // channel_sums) to the channel's.
+  static void segment_sums(const T* xs, const T* gs, Index inner, T mean, double& sg, double& sgd, double& sd) {
+    using namespace Eigen::internal;
+    using Packet = typename detail::simd<T>::Packet;
+    constexpr int L = detail::simd<T>::L;
+    const Packet pm = pset1<Packet>(mean);
+    Packet a0 = pset1<Packet>(T(0)), a1 = a0, a2 = a0;
+    Index i = 0;
+    for (; i + L <= inner; i += L) {
+      const Packet g = ploadu<Packet>(gs + i);
+      const Packet d = psub(ploadu<Packet>(xs + i), pm);
+      a0 = padd(a0, g);
+      a1 = pmadd(g, d, a1);
+      a2 = padd(a2, d);
+    }
+    double s0 = static_cast<double>(predux(a0)), s1 = static_cast<double>(predux(a1)),
+           s2 = static_cast<double>(predux(a2));
+    for (; i < inner; ++i) {
+      const double d = static_cast<double>(xs[i] - mean);
+      s0 += static_cast<double>(gs[i]);
+      s1 += static_cast<double>(gs[i]) * d;
+      s2 += d;
+    }
+    sg += s0;
+    sgd += s1;
+    sd += s2;
+  }
+
   // Per channel: sg = sum dy, sgd = sum dy * d, sd = sum d with d = x - mean.
   template <typename Device>
   void channel_sums(const Device& device, const T* x, const T* dy, const View& v, const T* mean,
@@ -520,23 +557,36 @@ class BatchNorm {
         for (Index o0 = 0; o0 < v.outer; o0 += detail::kChunk) {
           const Index o1 = std::min<Index>(v.outer, o0 + detail::kChunk);
           std::fill(a.begin(), a.end(), T(0));
-          for (Index o = o0; o < o1; ++o) {
+          // Up to four rows per load and store of the accumulators; each
+          // accumulator still adds its rows in order.
+          const T* mr = mean + c0;
+          for (Index o = o0; o < o1; o += 4) {
+            const Index rows = std::min<Index>(4, o1 - o);
             const T* xr = x + o * C + c0;
             const T* gr = dy + o * C + c0;
-            const T* mr = mean + c0;
             Index c = 0;
             for (; c + L <= w; c += L) {
-              const Packet g = ploadu<Packet>(gr + c);
-              const Packet d = psub(ploadu<Packet>(xr + c), ploadu<Packet>(mr + c));
-              pstoreu(a.data() + c, padd(ploadu<Packet>(a.data() + c), g));
-              pstoreu(a.data() + w + c, pmadd(g, d, ploadu<Packet>(a.data() + w + c)));
-              pstoreu(a.data() + 2 * w + c, padd(ploadu<Packet>(a.data() + 2 * w + c), d));
+              const Packet m = ploadu<Packet>(mr + c);
+              Packet s0 = ploadu<Packet>(a.data() + c), s1 = ploadu<Packet>(a.data() + w + c),
+                     s2 = ploadu<Packet>(a.data() + 2 * w + c);
+              for (Index r = 0; r < rows; ++r) {
+                const Packet g = ploadu<Packet>(gr + r * C + c);
+                const Packet d = psub(ploadu<Packet>(xr + r * C + c), m);
+                s0 = padd(s0, g);
+                s1 = pmadd(g, d, s1);
+                s2 = padd(s2, d);
+              }
+              pstoreu(a.data() + c, s0);
+              pstoreu(a.data() + w + c, s1);
+              pstoreu(a.data() + 2 * w + c, s2);
             }
-            for (; c < w; ++c) {
-              const T d = xr[c] - mr[c];
-              a[static_cast<std::size_t>(c)] += gr[c];
-              a[static_cast<std::size_t>(w + c)] = detail::madd(gr[c], d, a[static_cast<std::size_t>(w + c)]);
-              a[static_cast<std::size_t>(2 * w + c)] += d;
+            for (Index r = 0; r < rows; ++r) {
+              for (Index t = c; t < w; ++t) {
+                const T d = xr[r * C + t] - mr[t];
+                a[static_cast<std::size_t>(t)] += gr[r * C + t];
+                a[static_cast<std::size_t>(w + t)] = detail::madd(gr[r * C + t], d, a[static_cast<std::size_t>(w + t)]);
+                a[static_cast<std::size_t>(2 * w + t)] += d;
+              }
             }
           }
           for (Index c = 0; c < w; ++c) {
@@ -549,29 +599,8 @@ class BatchNorm {
       }
       for (Index o = 0; o < v.outer; ++o) {
         for (Index c = c0; c < c1; ++c) {
-          const T* xs = x + (o * C + c) * v.inner;
-          const T* gs = dy + (o * C + c) * v.inner;
-          const Packet pm = pset1<Packet>(mean[c]);
-          Packet a0 = pset1<Packet>(T(0)), a1 = a0, a2 = a0;
-          Index i = 0;
-          for (; i + L <= v.inner; i += L) {
-            const Packet g = ploadu<Packet>(gs + i);
-            const Packet d = psub(ploadu<Packet>(xs + i), pm);
-            a0 = padd(a0, g);
-            a1 = pmadd(g, d, a1);
-            a2 = padd(a2, d);
-          }
-          double s0 = static_cast<double>(predux(a0)), s1 = static_cast<double>(predux(a1)),
-                 s2 = static_cast<double>(predux(a2));
-          for (; i < v.inner; ++i) {
-            const double d = static_cast<double>(xs[i] - mean[c]);
-            s0 += static_cast<double>(gs[i]);
-            s1 += static_cast<double>(gs[i]) * d;
-            s2 += d;
-          }
-          sg[c] += s0;
-          sgd[c] += s1;
-          sd[c] += s2;
+          const Index base = (o * C + c) * v.inner;
+          segment_sums(x + base, dy + base, v.inner, mean[c], sg[c], sgd[c], sd[c]);
         }
       }
     });
@@ -623,8 +652,79 @@ class BatchNorm {
     double* sg = sums.data();
     double* sgd = sg + C;
     double* sd = sgd + C;
-    if (local_count > 0) channel_sums(device, x.data(), dy.data(), v, mean.data(), sg, sgd, sd);
     sums[static_cast<std::size_t>(3 * C)] = static_cast<double>(local_count);
+    // Per channel: dx = fma(dy, a, -fma(x_hat, k3, k4)), x_hat = fma(x - mean, rs, xs).
+    std::vector<T> a(static_cast<std::size_t>(C)), k3(static_cast<std::size_t>(C)), k4(static_cast<std::size_t>(C)),
+        xs(static_cast<std::size_t>(C)), rs(rstd), piv(mean);
+    auto coeffs = [&](Index c, double count) {
+      const std::size_t cc = static_cast<std::size_t>(c);
+      const double g = weight_.size() ? static_cast<double>(weight_(c)) : 1.0;
+      const double r = static_cast<double>(rstd[cc]);
+      a[cc] = static_cast<T>(g * r);
+      // x_hat = fma(d, rstd, xs) and no rstd^2 anywhere, which would leave
+      // T's range at extreme magnitudes.
+      if (batch && count > 0) {
+        const double inv_n = 1.0 / count;
+        const double delta = sd[c] * inv_n;
+        const double mean_g = sg[c] * inv_n;
+        const double mean_gx = r * (sgd[c] - delta * sg[c]) * inv_n;
+        k3[cc] = static_cast<T>(g * r * mean_gx);
+        k4[cc] = static_cast<T>(g * r * mean_g);
+        xs[cc] = static_cast<T>(-delta * r);
+      } else {
+        k3[cc] = k4[cc] = xs[cc] = T(0);
+      }
+    };
+    // dx of one channels-first segment (o, c): base = (o * C + c) * inner.
+    auto dx_segment = [&](Index base, std::size_t cc) {
+      const T* xp = x.data() + base;
+      const T* gp = dy.data() + base;
+      T* out = dx + base;
+      const Packet pp = pset1<Packet>(piv[cc]), pa = pset1<Packet>(a[cc]), p3 = pset1<Packet>(k3[cc]),
+                   p4 = pset1<Packet>(k4[cc]), pr = pset1<Packet>(rs[cc]), pxs = pset1<Packet>(xs[cc]);
+      Index i = 0;
+      for (; i + L <= v.inner; i += L) {
+        const Packet xh = pmadd(psub(ploadu<Packet>(xp + i), pp), pr, pxs);
+        pstoreu(out + i, pmadd(ploadu<Packet>(gp + i), pa, pnegate(pmadd(xh, p3, p4))));
+      }
+      for (; i < v.inner; ++i) {
+        const T xh = detail::madd(xp[i] - piv[cc], rs[cc], xs[cc]);
+        out[i] = detail::madd(gp[i], a[cc], -detail::madd(xh, k3[cc], k4[cc]));
+      }
+    };
+    // Channels first with no cross-process reduction: each channel's sums,
+    // coefficients and dx in one go, so dx reads x and dy back from cache
+    // rather than memory. Same arithmetic, same bits as the two passes.
+    // Only with enough channels to keep every thread busy (the dx pass alone
+    // splits finer, by segments).
+    const Index group = std::max<Index>(1, (kFusedRun + v.inner - 1) / v.inner);
+    const bool fused = dx && v.inner >= kFusedRun / 4 && local_count > 0 && !(reducer_ && batch) &&
+                       C >= 8 * static_cast<Index>(device.numThreads()) &&
+                       group * local_count * Index(2 * sizeof(T)) <= kFusedBytes;
+    if (fused) {
+      for (Index c = 0; c < C; ++c) sg[c] = sgd[c] = sd[c] = 0;
+      const detail::Split split = channel_split(device, v);
+      detail::run_parts(device, split.parts, [&](Index p) {
+        const Index c1 = split.begin(p + 1);
+        for (Index g0 = split.begin(p); g0 < c1; g0 += group) {
+          const Index g1 = std::min(c1, g0 + group);
+          for (Index o = 0; o < v.outer; ++o) {
+            for (Index c = g0; c < g1; ++c) {
+              const Index base = (o * C + c) * v.inner;
+              segment_sums(x.data() + base, dy.data() + base, v.inner, mean[static_cast<std::size_t>(c)], sg[c], sgd[c],
+                           sd[c]);
+            }
+          }
+          for (Index c = g0; c < g1; ++c) coeffs(c, static_cast<double>(local_count));
+          for (Index o = 0; o < v.outer; ++o)
+            for (Index c = g0; c < g1; ++c) dx_segment((o * C + c) * v.inner, static_cast<std::size_t>(c));
+        }
+      });
+    } else if (local_count > 0) {
+      channel_sums(device, x.data(), dy.data(), v, mean.data(), sg, sgd, sd);
+    } else {
+      for (Index c = 0; c < C; ++c) sg[c] = sgd[c] = sd[c] = 0;
+    }
     // Parameter gradients are local (as PyTorch's SyncBatchNorm): keep this
     // process's sums; the mean correction delta below is global.
     const std::vector<double> local(sums.begin(), sums.begin() + 2 * C);
@@ -642,30 +742,8 @@ class BatchNorm {
       detail::resize_vector(*dbias, C);
       for (Index c = 0; c < C; ++c) (*dbias)(c) = static_cast<P>(local[static_cast<std::size_t>(c)]);
     }
-    // Per channel: dx = fma(dy, a, -fma(d, k3, k4)) with d = x - mean.
-    std::vector<T> a(static_cast<std::size_t>(C)), k3(static_cast<std::size_t>(C)), k4(static_cast<std::size_t>(C)),
-        xs(static_cast<std::size_t>(C)), rs(static_cast<std::size_t>(C)), piv(mean);
-    for (Index c = 0; c < C; ++c) {
-      const std::size_t cc = static_cast<std::size_t>(c);
-      const double g = weight_.size() ? static_cast<double>(weight_(c)) : 1.0;
-      const double r = static_cast<double>(rstd[cc]);
-      a[cc] = static_cast<T>(g * r);
-      // dx = fma(dy, g * rstd, -fma(x_hat, k3, k4)), x_hat = fma(d, rstd, xs):
-      // no rstd^2, which would leave T's range at extreme magnitudes.
-      rs[cc] = rstd[cc];
-      if (batch && count > 0) {
-        const double inv_n = 1.0 / static_cast<double>(count);
-        const double delta = sd[c] * inv_n;
-        const double mean_g = sg[c] * inv_n;
-        const double mean_gx = r * (sgd[c] - delta * sg[c]) * inv_n;
-        k3[cc] = static_cast<T>(g * r * mean_gx);
-        k4[cc] = static_cast<T>(g * r * mean_g);
-        xs[cc] = static_cast<T>(-delta * r);
-      } else {
-        k3[cc] = k4[cc] = xs[cc] = T(0);
-      }
-    }
-    if (!dx) return;
+    if (!dx || fused) return;
+    for (Index c = 0; c < C; ++c) coeffs(c, count);
     const T* xp = x.data();
     const T* gp = dy.data();
     const detail::Split split = segment_split(device, v);
@@ -688,21 +766,7 @@ class BatchNorm {
         }
         return;
       }
-      for (Index sg = s0; sg < s1; ++sg) {
-        const std::size_t cc = static_cast<std::size_t>(sg % C);
-        const Index base = sg * v.inner;
-        const Packet pp = pset1<Packet>(piv[cc]), pa = pset1<Packet>(a[cc]), p3 = pset1<Packet>(k3[cc]),
-                     p4 = pset1<Packet>(k4[cc]), pr = pset1<Packet>(rs[cc]), pxs = pset1<Packet>(xs[cc]);
-        Index i = 0;
-        for (; i + L <= v.inner; i += L) {
-          const Packet xh = pmadd(psub(ploadu<Packet>(xp + base + i), pp), pr, pxs);
-          pstoreu(dx + base + i, pmadd(ploadu<Packet>(gp + base + i), pa, pnegate(pmadd(xh, p3, p4))));
-        }
-        for (; i < v.inner; ++i) {
-          const T xh = detail::madd(xp[base + i] - piv[cc], rs[cc], xs[cc]);
-          dx[base + i] = detail::madd(gp[base + i], a[cc], -detail::madd(xh, k3[cc], k4[cc]));
-        }
-      }
+      for (Index sg = s0; sg < s1; ++sg) dx_segment(sg * v.inner, static_cast<std::size_t>(sg % C));
     });
   }
 
