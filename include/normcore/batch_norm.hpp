@@ -334,6 +334,24 @@ class BatchNorm {
         lane_moments(x + c0, C, v.outer, c1 - c0, pivot.data() + c0, w.data() + c0);
         return;
       }
+      if (v.inner < detail::kShortRowPackets * detail::simd<T>::L) {
+        // Short segments (e.g. 7x7): the segments (o, c0..c1) lie side by
+        // side and go through the grouped short-row kernel as rows, each
+        // shifted by its own first value; each is then moved to its
+        // channel's pivot (in double) and merged in order of o.
+        std::vector<Welford<double>> seg(static_cast<std::size_t>(c1 - c0));
+        for (Index o = 0; o < v.outer; ++o) {
+          const T* first = x + (o * C + c0) * v.inner;
+          rows_moments(first, v.inner, v.inner, c1 - c0, seg.data());
+          for (Index c = c0; c < c1; ++c) {
+            const auto& sc = seg[static_cast<std::size_t>(c - c0)];
+            const double shift = static_cast<double>(first[(c - c0) * v.inner]) -
+                                 static_cast<double>(pivot[static_cast<std::size_t>(c)]);
+            w[static_cast<std::size_t>(c)].merge(Welford<double>(sc.count(), sc.mean() + shift, sc.m2()));
+          }
+        }
+        return;
+      }
       for (Index o = 0; o < v.outer; ++o)
         for (Index c = c0; c < c1; ++c)
           w[static_cast<std::size_t>(c)].merge(
