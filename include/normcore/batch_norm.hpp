@@ -516,14 +516,15 @@ class BatchNorm {
         }
         return;
       }
+      std::size_t cc = static_cast<std::size_t>(s0 % C);  // channel of segment sg
       for (Index sg = s0; sg < s1; ++sg) {
-        const std::size_t cc = static_cast<std::size_t>(sg % C);
         const T* xs = x + sg * v.inner;
         T* ys = y + sg * v.inner;
         const Packet pp = pset1<Packet>(piv[cc]), ps = pset1<Packet>(sc[cc]), pb = pset1<Packet>(bs[cc]);
         Index i = 0;
         for (; i + L <= v.inner; i += L) pstoreu(ys + i, pmadd(psub(ploadu<Packet>(xs + i), pp), ps, pb));
         for (; i < v.inner; ++i) ys[i] = detail::madd(xs[i] - piv[cc], sc[cc], bs[cc]);
+        if (++cc == static_cast<std::size_t>(C)) cc = 0;  // no division per segment
       }
     });
   }
@@ -784,7 +785,11 @@ class BatchNorm {
         }
         return;
       }
-      for (Index sg = s0; sg < s1; ++sg) dx_segment(sg * v.inner, static_cast<std::size_t>(sg % C));
+      std::size_t cc = static_cast<std::size_t>(s0 % C);  // channel of segment sg
+      for (Index sg = s0; sg < s1; ++sg) {
+        dx_segment(sg * v.inner, cc);
+        if (++cc == static_cast<std::size_t>(C)) cc = 0;  // no division per segment
+      }
     });
   }
 
