@@ -576,36 +576,23 @@ class BatchNorm {
         for (Index o0 = 0; o0 < v.outer; o0 += detail::kChunk) {
           const Index o1 = std::min<Index>(v.outer, o0 + detail::kChunk);
           std::fill(a.begin(), a.end(), T(0));
-          // Up to four rows per load and store of the accumulators; each
-          // accumulator still adds its rows in order.
-          const T* mr = mean + c0;
-          for (Index o = o0; o < o1; o += 4) {
-            const Index rows = std::min<Index>(4, o1 - o);
+          for (Index o = o0; o < o1; ++o) {
             const T* xr = x + o * C + c0;
             const T* gr = dy + o * C + c0;
+            const T* mr = mean + c0;
             Index c = 0;
             for (; c + L <= w; c += L) {
-              const Packet m = ploadu<Packet>(mr + c);
-              Packet s0 = ploadu<Packet>(a.data() + c), s1 = ploadu<Packet>(a.data() + w + c),
-                     s2 = ploadu<Packet>(a.data() + 2 * w + c);
-              for (Index r = 0; r < rows; ++r) {
-                const Packet g = ploadu<Packet>(gr + r * C + c);
-                const Packet d = psub(ploadu<Packet>(xr + r * C + c), m);
-                s0 = padd(s0, g);
-                s1 = pmadd(g, d, s1);
-                s2 = padd(s2, d);
-              }
-              pstoreu(a.data() + c, s0);
-              pstoreu(a.data() + w + c, s1);
-              pstoreu(a.data() + 2 * w + c, s2);
+              const Packet g = ploadu<Packet>(gr + c);
+              const Packet d = psub(ploadu<Packet>(xr + c), ploadu<Packet>(mr + c));
+              pstoreu(a.data() + c, padd(ploadu<Packet>(a.data() + c), g));
+              pstoreu(a.data() + w + c, pmadd(g, d, ploadu<Packet>(a.data() + w + c)));
+              pstoreu(a.data() + 2 * w + c, padd(ploadu<Packet>(a.data() + 2 * w + c), d));
             }
-            for (Index r = 0; r < rows; ++r) {
-              for (Index t = c; t < w; ++t) {
-                const T d = xr[r * C + t] - mr[t];
-                a[static_cast<std::size_t>(t)] += gr[r * C + t];
-                a[static_cast<std::size_t>(w + t)] = detail::madd(gr[r * C + t], d, a[static_cast<std::size_t>(w + t)]);
-                a[static_cast<std::size_t>(2 * w + t)] += d;
-              }
+            for (; c < w; ++c) {
+              const T d = xr[c] - mr[c];
+              a[static_cast<std::size_t>(c)] += gr[c];
+              a[static_cast<std::size_t>(w + c)] = detail::madd(gr[c], d, a[static_cast<std::size_t>(w + c)]);
+              a[static_cast<std::size_t>(2 * w + c)] += d;
             }
           }
           for (Index c = 0; c < w; ++c) {
