@@ -121,16 +121,53 @@ TYPED_TEST(BatchNormTest, FusedChannelsFirstBackwardMatchesTwoPasses) {
     two.bias() = fused.bias();
     NoReducer none;
     two.set_reducer(&none);
-    const auto a = fused.backward(x, dy), b = two.backward(x, dy);
+    Eigen::Tensor<T, 3, Eigen::RowMajor> y(N, C, inner);
+    NormStats<T> s;
+    fused.forward(x, y, s);
+    const auto a = fused.backward(x, dy, &s), b = two.backward(x, dy, &s);
     EXPECT_TRUE(bit_equal(a.dx.data(), b.dx.data(), xv.size()));
     EXPECT_TRUE(bit_equal(a.dweight.data(), b.dweight.data(), static_cast<std::size_t>(C)));
     EXPECT_TRUE(bit_equal(a.dbias.data(), b.dbias.data(), static_cast<std::size_t>(C)));
+    // In place: dx written over a copy of dy.
+    std::vector<T> inplace(dv);
+    Eigen::TensorMap<Eigen::Tensor<T, 3, Eigen::RowMajor>> dxm(inplace.data(), N, C, inner);
+    Eigen::TensorMap<const Eigen::Tensor<T, 3, Eigen::RowMajor>> dyin(inplace.data(), N, C, inner);
+    Eigen::Tensor<T, 1> dw, db;
+    fused.backward(x, dyin, &dxm, &dw, &db, &s);
+    EXPECT_TRUE(bit_equal(inplace.data(), a.dx.data(), xv.size()));
     const auto st = normcore::reference::channel_stats(xv.data(), N, C, inner);
     const auto gref = normcore::reference::batch_norm_backward(xv.data(), dv.data(), N, C, inner, st.mean, st.var,
                                                                fused.weight().data(), 1e-5, true);
     double rmax = 0;
     for (double v : st.var) rmax = std::max(rmax, 1 / std::sqrt(v + 1e-5));
     EXPECT_LE(max_diff(a.dx.data(), gref.dx), tol_elem<T>(rmax * 8 * (1 + 2 * rmax), double(N * inner)));
+  }
+}
+
+// Empty tensors go through backward without touching memory: a zero-size
+// spatial dim (RowMajor), and N = 0 in ColMajor storage, where the
+// contiguous run per channel is the batch itself.
+TYPED_TEST(BatchNormTest, EmptyBackwardBothLayouts) {
+  using T = TypeParam;
+  const Index C = 4;
+  NormStats<T> s;
+  s.mean = Eigen::Tensor<T, 1>(C);
+  s.rstd = Eigen::Tensor<T, 1>(C);
+  s.mean.setZero();
+  s.rstd.setConstant(T(1));
+  for (bool training : {true, false}) {
+    BatchNorm<T> bn{BatchNormOptions(C)};
+    if (!training) bn.eval();
+    Eigen::Tensor<T, 3, Eigen::RowMajor> x(2, C, 0), dy(2, C, 0);
+    const auto g = bn.backward(x, dy, &s);
+    EXPECT_EQ(g.dx.size(), 0);
+    ASSERT_EQ(g.dweight.size(), C);
+    for (Index c = 0; c < C; ++c) EXPECT_EQ(g.dweight(c), T(0));
+    Eigen::Tensor<T, 4, Eigen::ColMajor> xc(0, C, 3, 3), dyc(0, C, 3, 3);
+    const auto gc = bn.backward(xc, dyc, &s);
+    EXPECT_EQ(gc.dx.size(), 0);
+    ASSERT_EQ(gc.dbias.size(), C);
+    for (Index c = 0; c < C; ++c) EXPECT_EQ(gc.dbias(c), T(0));
   }
 }
 

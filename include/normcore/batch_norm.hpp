@@ -703,7 +703,8 @@ class BatchNorm {
     // rather than memory. Same arithmetic, same bits as the two passes.
     // Only with enough channels to keep every thread busy (the dx pass alone
     // splits finer, by segments).
-    const Index group = std::max<Index>(1, (kFusedRun + v.inner - 1) / v.inner);
+    // (inner may be 0: an empty spatial dim, or N = 0 for ColMajor.)
+    const Index group = std::max<Index>(1, (kFusedRun + v.inner - 1) / std::max<Index>(1, v.inner));
     const bool fused = dx && v.inner >= kFusedRun / 4 && local_count > 0 && !(reducer_ && batch) &&
                        C >= 8 * static_cast<Index>(device.numThreads()) &&
                        group * local_count * Index(2 * sizeof(T)) <= kFusedBytes;

@@ -142,9 +142,8 @@ Welford<double> row_moments_acc(const T* x, Index n, T pivot) {
   const Packet pv = pset1<Packet>(pivot);
   const Index packets = n / L;  // full packets in the row
   Index p = 0;                  // packets consumed
-  // Chunks of at most kChunk updates per lane; the last chunk also takes the
-  // leftover packets (fewer than A), one per accumulator, in the last
-  // chunk's leftover update.
+  // Chunks of at most kChunk updates per lane; the leftover packets (fewer
+  // than A) take one more update, one per accumulator (see `last` below).
   do {
     const Index iters = std::min<Index>((packets - p) / A, detail::kChunk);
     Packet mean[A];
