@@ -93,6 +93,7 @@ TEST(Threads, BatchNormBitIdenticalForAnyThreadCount) {
   check_batch_norm<1>(16, 37, 300);   // NCHW-like
   check_batch_norm<-1>(16, 37, 300);  // channels-last
   check_batch_norm<1>(3, 40, 1500);   // the fused channels-first backward
+  check_batch_norm<1>(16, 37, 49);    // short segments: the grouped statistics
 }
 
 }  // namespace

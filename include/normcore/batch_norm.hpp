@@ -558,6 +558,18 @@ class BatchNorm {
     sd += s2;
   }
 
+  // Channels [c0, c1) of a channels-first tensor: adds their sums over every
+  // segment, in order of o (memory order).
+  static void range_sums(const T* x, const T* dy, const View& v, const T* mean, Index c0, Index c1, double* sg,
+                         double* sgd, double* sd) {
+    for (Index o = 0; o < v.outer; ++o) {
+      for (Index c = c0; c < c1; ++c) {
+        const Index base = (o * v.C + c) * v.inner;
+        segment_sums(x + base, dy + base, v.inner, mean[c], sg[c], sgd[c], sd[c]);
+      }
+    }
+  }
+
   // Per channel: sg = sum dy, sgd = sum dy * d, sd = sum d with d = x - mean.
   template <typename Device>
   void channel_sums(const Device& device, const T* x, const T* dy, const View& v, const T* mean,
@@ -603,12 +615,7 @@ class BatchNorm {
         }
         return;
       }
-      for (Index o = 0; o < v.outer; ++o) {
-        for (Index c = c0; c < c1; ++c) {
-          const Index base = (o * C + c) * v.inner;
-          segment_sums(x + base, dy + base, v.inner, mean[c], sg[c], sgd[c], sd[c]);
-        }
-      }
+      range_sums(x, dy, v, mean, c0, c1, sg, sgd, sd);
     });
   }
 
@@ -661,7 +668,9 @@ class BatchNorm {
     sums[static_cast<std::size_t>(3 * C)] = static_cast<double>(local_count);
     // Per channel: dx = fma(dy, a, -fma(x_hat, k3, k4)), x_hat = fma(x - mean, rs, xs).
     std::vector<T> a(static_cast<std::size_t>(C)), k3(static_cast<std::size_t>(C)), k4(static_cast<std::size_t>(C)),
-        xs(static_cast<std::size_t>(C)), rs(rstd), piv(mean);
+        xs(static_cast<std::size_t>(C));
+    const std::vector<T>& piv = mean;
+    const std::vector<T>& rs = rstd;
     auto coeffs = [&](Index c, double count) {
       const std::size_t cc = static_cast<std::size_t>(c);
       const double g = weight_.size() ? static_cast<double>(weight_(c)) : 1.0;
@@ -708,20 +717,13 @@ class BatchNorm {
     const bool fused = dx && v.inner >= kFusedRun / 4 && local_count > 0 && !(reducer_ && batch) &&
                        C >= 8 * static_cast<Index>(device.numThreads()) &&
                        group * local_count * Index(2 * sizeof(T)) <= kFusedBytes;
-    if (fused) {
-      for (Index c = 0; c < C; ++c) sg[c] = sgd[c] = sd[c] = 0;
+    if (fused) {  // (sums starts at zero)
       const detail::Split split = channel_split(device, v);
       detail::run_parts(device, split.parts, [&](Index p) {
         const Index c1 = split.begin(p + 1);
         for (Index g0 = split.begin(p); g0 < c1; g0 += group) {
           const Index g1 = std::min(c1, g0 + group);
-          for (Index o = 0; o < v.outer; ++o) {
-            for (Index c = g0; c < g1; ++c) {
-              const Index base = (o * C + c) * v.inner;
-              segment_sums(x.data() + base, dy.data() + base, v.inner, mean[static_cast<std::size_t>(c)], sg[c], sgd[c],
-                           sd[c]);
-            }
-          }
+          range_sums(x.data(), dy.data(), v, mean.data(), g0, g1, sg, sgd, sd);
           for (Index c = g0; c < g1; ++c) coeffs(c, static_cast<double>(local_count));
           for (Index o = 0; o < v.outer; ++o)
             for (Index c = g0; c < g1; ++c) dx_segment((o * C + c) * v.inner, static_cast<std::size_t>(c));
@@ -729,8 +731,6 @@ class BatchNorm {
       });
     } else if (local_count > 0) {
       channel_sums(device, x.data(), dy.data(), v, mean.data(), sg, sgd, sd);
-    } else {
-      for (Index c = 0; c < C; ++c) sg[c] = sgd[c] = sd[c] = 0;
     }
     // Parameter gradients are local (as PyTorch's SyncBatchNorm): keep this
     // process's sums; the mean correction delta below is global.
