@@ -59,25 +59,25 @@ TEST(Threads, RowLayersBitIdenticalForAnyThreadCount) {
   check_row_layers<float, Eigen::RowMajor>(1, 768);  // tiny: stays on the calling thread
 }
 
-template <int Axis>
+template <int Axis, typename T = float>
 void check_batch_norm(Index N, Index C, Index S) {
   SCOPED_TRACE(::testing::Message() << N << "x" << C << "x" << S << " axis " << Axis);
-  const auto xv = randn<float>(static_cast<std::size_t>(N * C * S), 3, 1.0, 2.0);
-  const auto dv = randn<float>(xv.size(), 4);
+  const auto xv = randn<T>(static_cast<std::size_t>(N * C * S), 3, 1.0, 2.0);
+  const auto dv = randn<T>(xv.size(), 4);
   const Index d1 = Axis == 1 ? C : S, d2 = Axis == 1 ? S : C;
-  Eigen::TensorMap<const Eigen::Tensor<float, 3, Eigen::RowMajor>> x(xv.data(), N, d1, d2), dy(dv.data(), N, d1, d2);
-  normcore::BatchNorm<float> b0{normcore::BatchNormOptions(C).channel_axis(Axis)};
-  Eigen::Tensor<float, 3, Eigen::RowMajor> y0(N, d1, d2);
-  normcore::NormStats<float> s0;
+  Eigen::TensorMap<const Eigen::Tensor<T, 3, Eigen::RowMajor>> x(xv.data(), N, d1, d2), dy(dv.data(), N, d1, d2);
+  normcore::BatchNorm<T> b0{normcore::BatchNormOptions(C).channel_axis(Axis)};
+  Eigen::Tensor<T, 3, Eigen::RowMajor> y0(N, d1, d2);
+  normcore::NormStats<T> s0;
   b0.forward(x, y0, s0);
   const auto g0 = b0.backward(x, dy, &s0);
   for (int threads : {1, 2, 3}) {
     Eigen::ThreadPool pool(threads);
     Eigen::ThreadPoolDevice dev(&pool, threads);
-    normcore::BatchNorm<float> b{normcore::BatchNormOptions(C).channel_axis(Axis)};
-    Eigen::Tensor<float, 3, Eigen::RowMajor> y(N, d1, d2), dx(N, d1, d2);
-    Eigen::Tensor<float, 1> dw, db;
-    normcore::NormStats<float> s;
+    normcore::BatchNorm<T> b{normcore::BatchNormOptions(C).channel_axis(Axis)};
+    Eigen::Tensor<T, 3, Eigen::RowMajor> y(N, d1, d2), dx(N, d1, d2);
+    Eigen::Tensor<T, 1> dw, db;
+    normcore::NormStats<T> s;
     b.forward(dev, x, y, s);
     b.backward(dev, x, dy, &dx, &dw, &db, &s);
     const auto M = static_cast<std::size_t>(N * C * S);
@@ -94,6 +94,12 @@ TEST(Threads, BatchNormBitIdenticalForAnyThreadCount) {
   check_batch_norm<-1>(16, 37, 300);  // channels-last
   check_batch_norm<1>(3, 40, 1500);   // the fused channels-first backward
   check_batch_norm<1>(16, 37, 49);    // short segments: the grouped statistics
+  // Channels last, 12 full chunks of 256 rows and a partial one: on 2 and 3
+  // threads the rows are split in whole chunks, merged in windows of 10 and
+  // 12 chunks (256 KB of per-chunk results at 1024 channels), so two windows.
+  // In double, so that a change in the order of the merges (in double)
+  // shows in the outputs.
+  check_batch_norm<-1, double>(1, 1024, 12 * 256 + 17);
 }
 
 }  // namespace

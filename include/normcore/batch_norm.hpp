@@ -264,6 +264,10 @@ class BatchNorm {
   // slower fused, from the jumps between segments.
   static constexpr Index kFusedRun = 4096;
   static constexpr Index kFusedBytes = Index(4) << 20;
+  // Channels last on several threads: at most this many bytes of per-chunk
+  // results (a window of chunks) before they are merged; at least a few
+  // chunks per thread. (Windows are 10 MB or more of input for C <= 1024.)
+  static constexpr Index kRowChunkBytes = Index(256) << 10;
 
   // Memory view: element (o, c, i) at data[(o * C + c) * inner + i].
   struct View {
@@ -315,6 +319,41 @@ class BatchNorm {
     return detail::Split{segs, parts, 1};
   }
 
+  // Channels-last (inner == 1) statistics on several threads split the rows,
+  // not the channels: threads that each own a slice of every row walk the
+  // whole tensor side by side and share its prefetch streams (measured: two
+  // threads barely faster than one). Only with two chunks of rows or more.
+  template <typename Device>
+  static bool rows_split(const Device& device, const View& v) {
+    return v.inner == 1 && device.numThreads() > 1 && v.outer > detail::kChunk;
+  }
+
+  // The rows of a channels-last tensor in whole chunks of kChunk rows, a
+  // window of chunks at a time: run(k0, k1, out) computes chunks [k0, k1) on
+  // some thread, chunk k's `per` results at out + (k - k0) * per; then
+  // merge(chunk) takes the window's chunks in order. A chunk is never split
+  // and the merge order is fixed, so the result does not depend on the
+  // number of threads.
+  template <typename Device, typename S, typename Run, typename Merge>
+  static void row_chunks(const Device& device, const View& v, Index per, std::vector<S>& buf, Run&& run,
+                         Merge&& merge) {
+    const Index chunks = (v.outer + detail::kChunk - 1) / detail::kChunk;
+    const Index window = std::max<Index>(static_cast<Index>(device.numThreads()) * detail::kPartsPerThread,
+                                         kRowChunkBytes / std::max<Index>(1, per * Index(sizeof(S))));
+    buf.resize(static_cast<std::size_t>(std::min(window, chunks) * per));
+    for (Index w0 = 0; w0 < chunks; w0 += window) {
+      const Index w1 = std::min(chunks, w0 + window);
+      const Index parts =
+          detail::parts_for(device, (w1 - w0) * detail::kChunk * v.C, w1 - w0, detail::kPartsPerThread);
+      const detail::Split split{w1 - w0, parts, 1};
+      detail::run_parts(device, parts, [&](Index p) {
+        const Index k0 = split.begin(p), k1 = split.begin(p + 1);
+        run(w0 + k0, w0 + k1, buf.data() + k0 * per);
+      });
+      for (Index k = 0; k < w1 - w0; ++k) merge(buf.data() + k * per);
+    }
+  }
+
   // Per-channel Welford states (pivot-shifted by the channel's first value).
   template <typename Device>
   void channel_moments(const Device& device, const T* x, const View& v, std::vector<T>& pivot,
@@ -327,36 +366,55 @@ class BatchNorm {
       return;
     }
     for (Index c = 0; c < C; ++c) pivot[static_cast<std::size_t>(c)] = x[c * v.inner];
-    const detail::Split split = channel_split(device, v);
-    detail::run_parts(device, split.parts, [&](Index p) {
-      const Index c0 = split.begin(p), c1 = split.begin(p + 1);
-      if (v.inner == 1) {  // channels-last: rows of C values, one lane per channel
-        lane_moments(x + c0, C, v.outer, c1 - c0, pivot.data() + c0, w.data() + c0);
-        return;
-      }
-      if (v.inner < detail::kShortRowPackets * detail::simd<T>::L) {
-        // Short segments (e.g. 7x7): the segments (o, c0..c1) lie side by
-        // side and go through the grouped short-row kernel as rows, each
-        // shifted by its own first value; each is then moved to its
-        // channel's pivot (in double) and merged in order of o.
-        std::vector<Welford<double>> seg(static_cast<std::size_t>(c1 - c0));
-        for (Index o = 0; o < v.outer; ++o) {
-          const T* first = x + (o * C + c0) * v.inner;
-          rows_moments(first, v.inner, v.inner, c1 - c0, seg.data());
-          for (Index c = c0; c < c1; ++c) {
-            const auto& sc = seg[static_cast<std::size_t>(c - c0)];
-            const double shift = static_cast<double>(first[(c - c0) * v.inner]) -
-                                 static_cast<double>(pivot[static_cast<std::size_t>(c)]);
-            w[static_cast<std::size_t>(c)].merge(Welford<double>(sc.count(), sc.mean() + shift, sc.m2()));
-          }
+    if (rows_split(device, v)) {
+      // Channels last on several threads: whole chunks of rows per thread,
+      // each chunk's states kept and merged in chunk order, as lane_moments
+      // merges them (so the same bits as one thread).
+      std::vector<Welford<double>> part;
+      row_chunks(device, v, C, part, [&](Index k0, Index k1, Welford<double>* out) {
+        const Index r0 = k0 * detail::kChunk, r1 = std::min(v.outer, k1 * detail::kChunk);
+        detail::lane_chunks(x + r0 * C, C, r1 - r0, C, pivot.data(),
+                            [&](Index k, Index rows, const T* mean, const T* m2) {
+                              Welford<double>* o = out + k * C;
+                              for (Index c = 0; c < C; ++c)
+                                o[c] = Welford<double>(static_cast<double>(rows), static_cast<double>(mean[c]),
+                                                       static_cast<double>(m2[c]));
+                            });
+      }, [&](const Welford<double>* chunk) {
+        for (Index c = 0; c < C; ++c) w[static_cast<std::size_t>(c)].merge(chunk[c]);
+      });
+    } else {
+      const detail::Split split = channel_split(device, v);
+      detail::run_parts(device, split.parts, [&](Index p) {
+        const Index c0 = split.begin(p), c1 = split.begin(p + 1);
+        if (v.inner == 1) {  // channels-last: rows of C values, one lane per channel
+          lane_moments(x + c0, C, v.outer, c1 - c0, pivot.data() + c0, w.data() + c0);
+          return;
         }
-        return;
-      }
-      for (Index o = 0; o < v.outer; ++o)
-        for (Index c = c0; c < c1; ++c)
-          w[static_cast<std::size_t>(c)].merge(
-              row_moments(x + (o * C + c) * v.inner, v.inner, pivot[static_cast<std::size_t>(c)]));
-    });
+        if (v.inner < detail::kShortRowPackets * detail::simd<T>::L) {
+          // Short segments (e.g. 7x7): the segments (o, c0..c1) lie side by
+          // side and go through the grouped short-row kernel as rows, each
+          // shifted by its own first value; each is then moved to its
+          // channel's pivot (in double) and merged in order of o.
+          std::vector<Welford<double>> seg(static_cast<std::size_t>(c1 - c0));
+          for (Index o = 0; o < v.outer; ++o) {
+            const T* first = x + (o * C + c0) * v.inner;
+            rows_moments(first, v.inner, v.inner, c1 - c0, seg.data());
+            for (Index c = c0; c < c1; ++c) {
+              const auto& sc = seg[static_cast<std::size_t>(c - c0)];
+              const double shift = static_cast<double>(first[(c - c0) * v.inner]) -
+                                   static_cast<double>(pivot[static_cast<std::size_t>(c)]);
+              w[static_cast<std::size_t>(c)].merge(Welford<double>(sc.count(), sc.mean() + shift, sc.m2()));
+            }
+          }
+          return;
+        }
+        for (Index o = 0; o < v.outer; ++o)
+          for (Index c = c0; c < c1; ++c)
+            w[static_cast<std::size_t>(c)].merge(
+                row_moments(x + (o * C + c) * v.inner, v.inner, pivot[static_cast<std::size_t>(c)]));
+      });
+    }
     // Channels whose squares left T's range: exact two-pass in long double.
     constexpr double kSafeLow = static_cast<double>(std::numeric_limits<T>::min()) *
                                 static_cast<double>(1ULL << std::numeric_limits<T>::digits);
@@ -570,43 +628,68 @@ class BatchNorm {
     }
   }
 
-  // Per channel: sg = sum dy, sgd = sum dy * d, sd = sum d with d = x - mean.
-  template <typename Device>
-  void channel_sums(const Device& device, const T* x, const T* dy, const View& v, const T* mean,
-                    double* sg, double* sgd, double* sd) const {
+  // Channels-last rows [r0, r1), channels [c0, c0 + w): adds each channel's
+  // sums of dy, dy * d and d (d = x - mean) in T to a[c], a[w + c], a[2w + c].
+  static void chunk_sums(const T* x, const T* dy, Index C, const T* mean, Index c0, Index w, Index r0, Index r1,
+                         T* a) {
     using namespace Eigen::internal;
     using Packet = typename detail::simd<T>::Packet;
     constexpr int L = detail::simd<T>::L;
+    for (Index o = r0; o < r1; ++o) {
+      const T* xr = x + o * C + c0;
+      const T* gr = dy + o * C + c0;
+      const T* mr = mean + c0;
+      Index c = 0;
+      for (; c + L <= w; c += L) {
+        const Packet g = ploadu<Packet>(gr + c);
+        const Packet d = psub(ploadu<Packet>(xr + c), ploadu<Packet>(mr + c));
+        pstoreu(a + c, padd(ploadu<Packet>(a + c), g));
+        pstoreu(a + w + c, pmadd(g, d, ploadu<Packet>(a + w + c)));
+        pstoreu(a + 2 * w + c, padd(ploadu<Packet>(a + 2 * w + c), d));
+      }
+      for (; c < w; ++c) {
+        const T d = xr[c] - mr[c];
+        a[c] += gr[c];
+        a[w + c] = detail::madd(gr[c], d, a[w + c]);
+        a[2 * w + c] += d;
+      }
+    }
+  }
+
+  // Per channel: sg = sum dy, sgd = sum dy * d, sd = sum d with d = x - mean.
+  // Channels last: sums in T over chunks of kChunk rows, added in double in
+  // chunk order (on several threads, whole chunks per thread).
+  template <typename Device>
+  void channel_sums(const Device& device, const T* x, const T* dy, const View& v, const T* mean,
+                    double* sg, double* sgd, double* sd) const {
     const Index C = v.C;
     for (Index c = 0; c < C; ++c) sg[c] = sgd[c] = sd[c] = 0;
+    if (rows_split(device, v)) {
+      std::vector<double> part;
+      row_chunks(device, v, 3 * C, part, [&](Index k0, Index k1, double* out) {
+        std::vector<T> a(static_cast<std::size_t>(3 * C));
+        for (Index k = k0; k < k1; ++k, out += 3 * C) {
+          std::fill(a.begin(), a.end(), T(0));
+          chunk_sums(x, dy, C, mean, 0, C, k * detail::kChunk, std::min(v.outer, (k + 1) * detail::kChunk), a.data());
+          for (Index j = 0; j < 3 * C; ++j) out[j] = static_cast<double>(a[static_cast<std::size_t>(j)]);
+        }
+      }, [&](const double* chunk) {
+        for (Index c = 0; c < C; ++c) {
+          sg[c] += chunk[c];
+          sgd[c] += chunk[C + c];
+          sd[c] += chunk[2 * C + c];
+        }
+      });
+      return;
+    }
     const detail::Split split = channel_split(device, v);
     detail::run_parts(device, split.parts, [&](Index p) {
       const Index c0 = split.begin(p), c1 = split.begin(p + 1), w = c1 - c0;
       if (v.inner == 1) {
-        // Rows of C: per-channel sums in T over chunks of rows, added in double.
         std::vector<T> a(static_cast<std::size_t>(3 * w));
         for (Index o0 = 0; o0 < v.outer; o0 += detail::kChunk) {
-          const Index o1 = std::min<Index>(v.outer, o0 + detail::kChunk);
           std::fill(a.begin(), a.end(), T(0));
-          for (Index o = o0; o < o1; ++o) {
-            const T* xr = x + o * C + c0;
-            const T* gr = dy + o * C + c0;
-            const T* mr = mean + c0;
-            Index c = 0;
-            for (; c + L <= w; c += L) {
-              const Packet g = ploadu<Packet>(gr + c);
-              const Packet d = psub(ploadu<Packet>(xr + c), ploadu<Packet>(mr + c));
-              pstoreu(a.data() + c, padd(ploadu<Packet>(a.data() + c), g));
-              pstoreu(a.data() + w + c, pmadd(g, d, ploadu<Packet>(a.data() + w + c)));
-              pstoreu(a.data() + 2 * w + c, padd(ploadu<Packet>(a.data() + 2 * w + c), d));
-            }
-            for (; c < w; ++c) {
-              const T d = xr[c] - mr[c];
-              a[static_cast<std::size_t>(c)] += gr[c];
-              a[static_cast<std::size_t>(w + c)] = detail::madd(gr[c], d, a[static_cast<std::size_t>(w + c)]);
-              a[static_cast<std::size_t>(2 * w + c)] += d;
-            }
-          }
+          chunk_sums(x, dy, C, mean, c0, w, o0, std::min<Index>(v.outer, o0 + detail::kChunk), a.data());
           for (Index c = 0; c < w; ++c) {
             sg[c0 + c] += static_cast<double>(a[static_cast<std::size_t>(c)]);
             sgd[c0 + c] += static_cast<double>(a[static_cast<std::size_t>(w + c)]);

@@ -445,29 +445,25 @@ Welford<double> row_moments(const T* x, Index n) {
   return Welford<double>(w.count(), static_cast<double>(x[0]) + w.mean(), w.m2());
 }
 
-/// Lane-parallel column moments: for each of the `lanes` columns c,
-/// statistics of x[c + i*stride], i = 0..count. Column c is shifted by
-/// pivot[c]; out[c] receives its state in shifted coordinates. One pass over
-/// memory, row by row: each packet of columns keeps its Welford state in T
-/// (kChunk rows at most, then flushed into double); leftover columns run the
-/// same recurrence one lane at a time, so a column's result does not depend
-/// on its position.
-template <typename T>
-void lane_moments(const T* x, Index stride, Index count, Index lanes, const T* pivot,
-                  Welford<double>* out) {
+namespace detail {
+
+/// The chunks of lane_moments: rows [0, count) in chunks of kChunk rows (the
+/// last may be shorter); after chunk k, flush(k, rows, mean, m2) receives
+/// each lane's state in T (mean and M2 of the chunk's rows, shifted).
+template <typename T, typename Flush>
+void lane_chunks(const T* x, Index stride, Index count, Index lanes, const T* pivot, Flush&& flush) {
   using namespace Eigen::internal;
   using S = detail::simd<T>;
   using Packet = typename S::Packet;
   constexpr int L = S::L;
   const auto& recip = detail::reciprocals<T>::table;
-  for (Index c = 0; c < lanes; ++c) out[c] = Welford<double>();
   if (lanes <= 0 || count <= 0) return;
   const Index vec = lanes / L * L;
   std::vector<T> state(static_cast<std::size_t>(2 * lanes));
   T* mean = state.data();
   T* m2 = mean + lanes;
   Index i = 0;
-  while (i < count) {
+  for (Index k = 0; i < count; ++k) {
     const Index iters = std::min<Index>(count - i, detail::kChunk);
     std::fill(state.begin(), state.end(), T(0));
     for (Index it = 1; it <= iters; ++it, ++i) {
@@ -489,10 +485,28 @@ void lane_moments(const T* x, Index stride, Index count, Index lanes, const T* p
         m2[c] = detail::madd(delta, d - mean[c], m2[c]);
       }
     }
-    for (Index c = 0; c < lanes; ++c)
-      out[c].merge(Welford<double>(static_cast<double>(iters), static_cast<double>(mean[c]),
-                                   static_cast<double>(m2[c])));
+    flush(k, iters, static_cast<const T*>(mean), static_cast<const T*>(m2));
   }
+}
+
+}  // namespace detail
+
+/// Lane-parallel column moments: for each of the `lanes` columns c,
+/// statistics of x[c + i*stride], i = 0..count. Column c is shifted by
+/// pivot[c]; out[c] receives its state in shifted coordinates. One pass over
+/// memory, row by row: each packet of columns keeps its Welford state in T
+/// (kChunk rows at most, then flushed into double and merged, chunk after
+/// chunk); leftover columns run the same recurrence one lane at a time, so a
+/// column's result does not depend on its position.
+template <typename T>
+void lane_moments(const T* x, Index stride, Index count, Index lanes, const T* pivot,
+                  Welford<double>* out) {
+  for (Index c = 0; c < lanes; ++c) out[c] = Welford<double>();
+  detail::lane_chunks(x, stride, count, lanes, pivot, [&](Index, Index rows, const T* mean, const T* m2) {
+    for (Index c = 0; c < lanes; ++c)
+      out[c].merge(Welford<double>(static_cast<double>(rows), static_cast<double>(mean[c]),
+                                   static_cast<double>(m2[c])));
+  });
 }
 
 /// Sum of squares of x[0..n) in one pass: A independent packet accumulators
