@@ -96,7 +96,8 @@ TEST(Threads, BatchNormBitIdenticalForAnyThreadCount) {
   check_batch_norm<1>(16, 37, 49);    // short segments: the grouped statistics
   // Channels last, 12 full chunks of 256 rows and a partial one: on 2 and 3
   // threads the rows are split in whole chunks, merged in windows of 10 and
-  // 12 chunks (256 KB of per-chunk results at 1024 channels), so two windows.
+  // 12 chunks (24 KB of results per chunk at 1024 channels; 256 KB, or four
+  // chunks per thread), so two windows.
   // In double, so that a change in the order of the merges (in double)
   // shows in the outputs.
   check_batch_norm<-1, double>(1, 1024, 12 * 256 + 17);

@@ -264,9 +264,10 @@ class BatchNorm {
   // slower fused, from the jumps between segments.
   static constexpr Index kFusedRun = 4096;
   static constexpr Index kFusedBytes = Index(4) << 20;
-  // Channels last on several threads: at most this many bytes of per-chunk
-  // results (a window of chunks) before they are merged; at least a few
-  // chunks per thread. (Windows are 10 MB or more of input for C <= 1024.)
+  // Channels last on several threads: a window of chunks holds this many
+  // bytes of per-chunk results before they are merged, or kPartsPerThread
+  // chunks per thread if that is more (the results are at most ~2.3% of the
+  // input's size; a window is about 10 MB of float input or more).
   static constexpr Index kRowChunkBytes = Index(256) << 10;
 
   // Memory view: element (o, c, i) at data[(o * C + c) * inner + i].

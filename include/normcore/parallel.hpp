@@ -13,9 +13,11 @@
 // included (it runs parts too), so a pool of N - 1 serves N threads; with a
 // pool of N, one pool thread idles (see README, Threads).
 //
-// Rows (BatchNorm: channels, then rows) are split into contiguous ranges, one
-// per thread; small inputs stay on the calling thread. Cross-row reductions
-// (dweight, dbias) are summed over fixed blocks of rows in a fixed order, so
+// Rows are split into contiguous ranges, a few per thread, claimed as threads
+// come free (BatchNorm: statistics by channel, or by whole chunks of rows
+// when the channels are contiguous; then rows); small inputs stay on the
+// calling thread. Cross-row reductions (dweight, dbias, BatchNorm's
+// statistics) are summed over fixed blocks of rows in a fixed order, so
 // every result is bit-identical for any number of threads.
 #pragma once
 
