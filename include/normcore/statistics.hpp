@@ -429,10 +429,15 @@ void rows_moments(const T* x, Index n, Index ld, Index count, Welford<double>* o
   constexpr int R = detail::simd<double>::L;
   for (Index r0 = 0; r0 < count; r0 += R) {
     const T* rows[R];
-    Welford<double> w[R];
     for (int r = 0; r < R; ++r) rows[r] = x + std::min<Index>(r0 + r, count - 1) * ld;
+    if (r0 + R <= count) {
+      detail::short_rows_moments(rows, n, out + r0);
+      continue;
+    }
+    // The last, partial group repeats its last row to fill the packet.
+    Welford<double> w[R];
     detail::short_rows_moments(rows, n, w);
-    for (Index r = 0; r < R && r0 + r < count; ++r) out[r0 + r] = w[r];
+    for (Index r = 0; r0 + r < count; ++r) out[r0 + r] = w[r];
   }
 }
 
