@@ -336,13 +336,12 @@ class BatchNorm {
   // merge(chunk) takes the window's chunks in order. A chunk is never split
   // and the merge order is fixed, so the result does not depend on the
   // number of threads.
-  template <typename Device, typename S, typename Run, typename Merge>
-  static void row_chunks(const Device& device, const View& v, Index per, std::vector<S>& buf, Run&& run,
-                         Merge&& merge) {
+  template <typename S, typename Device, typename Run, typename Merge>
+  static void row_chunks(const Device& device, const View& v, Index per, Run&& run, Merge&& merge) {
     const Index chunks = (v.outer + detail::kChunk - 1) / detail::kChunk;
     const Index window = std::max<Index>(static_cast<Index>(device.numThreads()) * detail::kPartsPerThread,
                                          kRowChunkBytes / std::max<Index>(1, per * Index(sizeof(S))));
-    buf.resize(static_cast<std::size_t>(std::min(window, chunks) * per));
+    std::vector<S> buf(static_cast<std::size_t>(std::min(window, chunks) * per));
     for (Index w0 = 0; w0 < chunks; w0 += window) {
       const Index w1 = std::min(chunks, w0 + window);
       const Index parts =
@@ -372,8 +371,7 @@ class BatchNorm {
       // Channels last on several threads: whole chunks of rows per thread,
       // each chunk's states kept and merged in chunk order, as lane_moments
       // merges them (so the same bits as one thread).
-      std::vector<Welford<double>> part;
-      row_chunks(device, v, C, part, [&](Index k0, Index k1, Welford<double>* out) {
+      row_chunks<Welford<double>>(device, v, C, [&](Index k0, Index k1, Welford<double>* out) {
         const Index r0 = k0 * detail::kChunk, r1 = std::min(v.outer, k1 * detail::kChunk);
         detail::lane_chunks(x + r0 * C, C, r1 - r0, C, pivot.data(),
                             [&](Index k, Index rows, const T* mean, const T* m2) {
@@ -667,8 +665,7 @@ class BatchNorm {
     const Index C = v.C;
     for (Index c = 0; c < C; ++c) sg[c] = sgd[c] = sd[c] = 0;
     if (rows_split(device, v)) {
-      std::vector<double> part;
-      row_chunks(device, v, 3 * C, part, [&](Index k0, Index k1, double* out) {
+      row_chunks<double>(device, v, 3 * C, [&](Index k0, Index k1, double* out) {
         std::vector<T> a(static_cast<std::size_t>(3 * C));
         for (Index k = k0; k < k1; ++k, out += 3 * C) {
           std::fill(a.begin(), a.end(), T(0));
