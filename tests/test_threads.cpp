@@ -103,4 +103,71 @@ TEST(Threads, BatchNormBitIdenticalForAnyThreadCount) {
   check_batch_norm<-1, double>(1, 1024, 12 * 256 + 17);
 }
 
+// Channels-first segments of a few packets are normalized as one run of
+// packets aligned on y, a packet that straddles two channels selecting each
+// lane's constants. Eval mode (the running statistics: the same constants in
+// any layout): the output must be the channels-last layout's bit for bit,
+// whatever the alignment of x and y, the segment length, or the thread count
+// (parts start at any segment, so at any channel and alignment).
+template <typename T>
+void check_short_segments(Index N, Index C, Index S, int threads) {
+  SCOPED_TRACE(::testing::Message() << N << "x" << C << "x" << S << " threads " << threads);
+  normcore::BatchNorm<T> bn{normcore::BatchNormOptions(C)}, bl{normcore::BatchNormOptions(C).channel_axis(-1)};
+  const auto stats = randn<T>(static_cast<std::size_t>(4 * C), 11, 1.0, 0.5);
+  for (Index c = 0; c < C; ++c) {
+    const std::size_t k = static_cast<std::size_t>(4 * c);
+    bn.running_mean()(c) = stats[k] - T(1);
+    bn.running_var()(c) = std::fabs(stats[k + 1]) + T(0.1);
+    bn.weight()(c) = stats[k + 2];
+    bn.bias()(c) = stats[k + 3] - T(1);
+  }
+  bn.eval();
+  bl.running_mean() = bn.running_mean();
+  bl.running_var() = bn.running_var();
+  bl.weight() = bn.weight();
+  bl.bias() = bn.bias();
+  bl.eval();
+  const std::size_t count = static_cast<std::size_t>(N * C * S);
+  const auto xv = randn<T>(count, 12, 1.0, 2.0);
+  std::vector<T> xl(count);  // (N, S, C)
+  for (Index o = 0; o < N; ++o)
+    for (Index c = 0; c < C; ++c)
+      for (Index i = 0; i < S; ++i)
+        xl[static_cast<std::size_t>((o * S + i) * C + c)] = xv[static_cast<std::size_t>((o * C + c) * S + i)];
+  Eigen::ThreadPool pool(std::max(1, threads - 1));
+  Eigen::ThreadPoolDevice dev(&pool, threads);
+  Eigen::TensorMap<const Eigen::Tensor<T, 3, Eigen::RowMajor>> xlm(xl.data(), N, S, C);
+  Eigen::Tensor<T, 3, Eigen::RowMajor> yl(N, S, C);
+  bl.forward(dev, xlm, yl);
+  std::vector<T> xbuf(count + 4), ybuf(count + 4);
+  for (std::size_t ox : {0, 1}) {
+    for (std::size_t oy : {0, 1, 2, 3}) {
+      std::copy(xv.begin(), xv.end(), xbuf.begin() + static_cast<std::ptrdiff_t>(ox));
+      std::fill(ybuf.begin(), ybuf.end(), T(-7));
+      Eigen::TensorMap<const Eigen::Tensor<T, 3, Eigen::RowMajor>> x(xbuf.data() + ox, N, C, S);
+      Eigen::TensorMap<Eigen::Tensor<T, 3, Eigen::RowMajor>> y(ybuf.data() + oy, N, C, S);
+      bn.forward(dev, x, y);
+      bool same = true;
+      for (Index o = 0; o < N; ++o)
+        for (Index c = 0; c < C; ++c)
+          for (Index i = 0; i < S; ++i) same = same && bit_equal(&y(o, c, i), &yl(o, i, c), 1);
+      EXPECT_TRUE(same) << "x offset " << ox << ", y offset " << oy;
+      // Nothing written outside y.
+      for (std::size_t k = 0; k < oy; ++k) EXPECT_EQ(ybuf[k], T(-7));
+      for (std::size_t k = oy + count; k < ybuf.size(); ++k) EXPECT_EQ(ybuf[k], T(-7));
+    }
+  }
+}
+
+TEST(Threads, BatchNormShortSegmentsMatchChannelsLastAtAnyAlignment) {
+  for (Index S : {3, 4, 5, 8, 9, 15, 16, 17, 49, 63, 64, 65, 127, 128, 129}) {
+    check_short_segments<float>(3, 5, S, 1);
+    check_short_segments<double>(3, 5, S, 1);
+  }
+  // Parts on several threads start at arbitrary segments.
+  check_short_segments<float>(64, 37, 49, 3);
+  check_short_segments<double>(64, 37, 25, 2);
+  check_short_segments<float>(40, 29, 9, 2);
+}
+
 }  // namespace

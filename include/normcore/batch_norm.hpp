@@ -574,6 +574,10 @@ class BatchNorm {
         }
         return;
       }
+      if (v.inner >= L && v.inner < detail::kShortRowPackets * L) {
+        normalize_short_segments(x, y, v.inner, C, s0, s1, piv.data(), sc.data(), bs.data());
+        return;
+      }
       std::size_t cc = static_cast<std::size_t>(s0 % C);  // channel of segment sg
       for (Index sg = s0; sg < s1; ++sg) {
         const T* xs = x + sg * v.inner;
@@ -585,6 +589,68 @@ class BatchNorm {
         if (++cc == static_cast<std::size_t>(C)) cc = 0;  // no division per segment
       }
     });
+  }
+
+  // Channels-first segments [s0, s1) of `inner` values, L <= inner < a few
+  // packets (7x7, 14x14 maps): walked as one run of values in packets aligned
+  // on y, not segment by segment, so that no load or store is split across
+  // cache lines and no segment ends in a scalar loop. A packet that straddles
+  // two segments (at most two: inner >= L) takes each lane's constants by a
+  // select on the lane index. Every value gets the same arithmetic as in the
+  // segment loop, so the same bits.
+  static void normalize_short_segments(const T* x, T* y, Index inner, Index C, Index s0, Index s1,
+                                       const T* piv, const T* sc, const T* bs) {
+    using namespace Eigen::internal;
+    using Packet = typename detail::simd<T>::Packet;
+    constexpr int L = detail::simd<T>::L;
+    Index c = s0 % C;            // channel of the current segment
+    Index end = (s0 + 1) * inner;  // where the current segment ends
+    const Index f1 = s1 * inner;
+    Index f = s0 * inner;
+    auto one = [&](Index i) {  // a value outside the aligned packets
+      while (i >= end) {
+        end += inner;
+        if (++c == C) c = 0;
+      }
+      y[i] = detail::madd(x[i] - piv[c], sc[c], bs[c]);
+    };
+    // Up to the first packet boundary of y (fewer than L values: one segment).
+    const std::uintptr_t addr = reinterpret_cast<std::uintptr_t>(y + f);
+    const Index misalign = static_cast<Index>(addr % sizeof(Packet));
+    if (misalign % static_cast<Index>(sizeof(T)) == 0) {
+      const Index head = misalign ? (static_cast<Index>(sizeof(Packet)) - misalign) / static_cast<Index>(sizeof(T)) : 0;
+      for (const Index h = std::min(f1, f + head); f < h; ++f) one(f);
+    }
+    const bool aligned = reinterpret_cast<std::uintptr_t>(y + f) % sizeof(Packet) == 0;
+    Packet pp = pset1<Packet>(piv[c]), ps = pset1<Packet>(sc[c]), pb = pset1<Packet>(bs[c]);
+    const Packet lane = plset<Packet>(T(0));
+    auto put = [&](Index i, const Packet& v) {
+      if (aligned)
+        pstore(y + i, v);
+      else
+        pstoreu(y + i, v);
+    };
+    while (f + L <= f1) {
+      if (f + L <= end) {  // whole packets inside the segment
+        const Index stop = std::min(end, f1);
+        for (; f + L <= stop; f += L) put(f, pmadd(psub(ploadu<Packet>(x + f), pp), ps, pb));
+        continue;
+      }
+      const Index cn = c + 1 == C ? 0 : c + 1;
+      const Packet np = pset1<Packet>(piv[cn]), ns = pset1<Packet>(sc[cn]), nb = pset1<Packet>(bs[cn]);
+      if (f < end) {  // lanes [0, end - f) in channel c, the rest in cn
+        const Packet first = pcmp_lt(lane, pset1<Packet>(static_cast<T>(end - f)));
+        put(f, pmadd(psub(ploadu<Packet>(x + f), pselect(first, pp, np)), pselect(first, ps, ns),
+                     pselect(first, pb, nb)));
+        f += L;
+      }
+      c = cn;
+      end += inner;
+      pp = np;
+      ps = ns;
+      pb = nb;
+    }
+    for (; f < f1; ++f) one(f);
   }
 
   // One segment (o, c) of a channels-first tensor: adds its sums (as in
