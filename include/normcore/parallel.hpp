@@ -46,9 +46,12 @@ struct Serial {
 
 namespace detail {
 
-/// Below this many elements of work per thread, threads cost more than they
-/// save (waking a pool thread takes a few microseconds).
+/// Below this many elements of work, threads cost more than they save
+/// (waking a pool thread takes a few microseconds to tens of them).
 constexpr Index kMinElementsPerThread = 1 << 15;
+
+/// Smallest part of a split input (elements): about 5-15 microseconds of work.
+constexpr Index kMinPartElements = 1 << 14;
 
 template <typename D>
 struct is_device {
@@ -105,11 +108,12 @@ class Latch {
 constexpr Index kPartsPerThread = 4;
 
 /// How many parts to split `work` elements into on this device: at most
-/// per_thread parts per thread, and none smaller than kMinElementsPerThread.
+/// per_thread parts per thread, none smaller than kMinPartElements, and one
+/// part for less than kMinElementsPerThread.
 template <typename Device>
 Index parts_for(const Device& d, Index work, Index max_parts, Index per_thread = 1) {
   const Index threads = static_cast<Index>(d.numThreads());
-  const Index by_size = std::max<Index>(1, work / kMinElementsPerThread);
+  const Index by_size = work < kMinElementsPerThread ? 1 : std::max<Index>(1, work / kMinPartElements);
   const Index most = threads > 1 ? threads * per_thread : 1;
   return std::max<Index>(1, std::min<Index>({most, by_size, max_parts}));
 }
