@@ -1,11 +1,14 @@
 # Driver of the ctest `bench_full` (label bench_full), run by
 # `cmake --workflow --preset bench`: the whole suite with 1 thread, then with
-# 2, as Google Benchmark JSON in the build tree, then bench/report.py writes
+# 2, as Google Benchmark JSON in the build tree (each benchmark's repetitions
+# randomly interleaved with the others', so that a slow spell of a shared
+# machine lands on single repetitions of many benchmarks, which the medians
+# drop, rather than on every repetition of a few), then bench/report.py writes
 # bench/RESULTS.md and bench/results.png into the source tree.
 #
 # Inputs (-D): BENCH (the binary), OUT_DIR, SOURCE_DIR, PYTHON, CXX_FLAGS.
 # Environment: NORMCORE_BENCH_THREADS (default "1;2"), NORMCORE_BENCH_REPETITIONS
-# (default 3), NORMCORE_BENCH_ARGS (extra benchmark flags, ;-separated, e.g.
+# (default 5), NORMCORE_BENCH_ARGS (extra benchmark flags, ;-separated, e.g.
 # a --benchmark_filter for a partial run).
 foreach(v BENCH OUT_DIR SOURCE_DIR PYTHON)
   if(NOT ${v})
@@ -17,7 +20,7 @@ set(threads_list 1 2)
 if(DEFINED ENV{NORMCORE_BENCH_THREADS})
   set(threads_list $ENV{NORMCORE_BENCH_THREADS})
 endif()
-set(reps 3)
+set(reps 5)
 if(DEFINED ENV{NORMCORE_BENCH_REPETITIONS})
   set(reps $ENV{NORMCORE_BENCH_REPETITIONS})
 endif()
@@ -34,6 +37,7 @@ foreach(t IN LISTS threads_list)
     COMMAND ${CMAKE_COMMAND} -E env OMP_NUM_THREADS=${t}
             ${BENCH} --threads=${t}
             --benchmark_repetitions=${reps}
+            --benchmark_enable_random_interleaving=true
             --benchmark_min_time=0.1
             --benchmark_display_aggregates_only=true
             --benchmark_out=${out} --benchmark_out_format=json
