@@ -591,10 +591,10 @@ class BatchNorm {
     });
   }
 
-  // Channels-first segments [s0, s1) of `inner` values, L <= inner < a few
-  // packets (7x7, 14x14 maps): walked as one run of values in packets aligned
-  // on y, not segment by segment, so that no load or store is split across
-  // cache lines and no segment ends in a scalar loop. A packet that straddles
+  // Channels-first segments [s0, s1) of `inner` values, L <= inner < 16 L
+  // (with AVX2, float maps of 3x3 to 11x11): walked as one run of values in
+  // packets aligned on y, not segment by segment, so that no load or store
+  // is split across cache lines and no segment ends in a scalar loop. A packet that straddles
   // two segments (at most two: inner >= L) takes each lane's constants by a
   // select on the lane index. Every value gets the same arithmetic as in the
   // segment loop, so the same bits.

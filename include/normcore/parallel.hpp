@@ -50,7 +50,9 @@ namespace detail {
 /// (waking a pool thread takes a few microseconds to tens of them).
 constexpr Index kMinElementsPerThread = 1 << 15;
 
-/// Smallest part of a split input (elements): about 5-15 microseconds of work.
+/// Elements of work per part of a split input, at least on average (a split
+/// cuts at whole rows or packets, so one part may have fewer): about 5-15
+/// microseconds of work.
 constexpr Index kMinPartElements = 1 << 14;
 
 template <typename D>
@@ -108,7 +110,7 @@ class Latch {
 constexpr Index kPartsPerThread = 4;
 
 /// How many parts to split `work` elements into on this device: at most
-/// per_thread parts per thread, none smaller than kMinPartElements, and one
+/// per_thread parts per thread, at most one per kMinPartElements, and one
 /// part for less than kMinElementsPerThread.
 template <typename Device>
 Index parts_for(const Device& d, Index work, Index max_parts, Index per_thread = 1) {
