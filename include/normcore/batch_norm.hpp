@@ -594,9 +594,9 @@ class BatchNorm {
   // Channels-first segments [s0, s1) of `inner` values, L <= inner < 16 L
   // (with AVX2, float maps of 3x3 to 11x11): walked as one run of values in
   // packets aligned on y, not segment by segment, so that no load or store
-  // is split across cache lines and no segment ends in a scalar loop. A packet that straddles
-  // two segments (at most two: inner >= L) takes each lane's constants by a
-  // select on the lane index. Every value gets the same arithmetic as in the
+  // is split across cache lines and no segment ends in a scalar loop. A
+  // packet that straddles two segments (at most two: inner >= L) takes each
+  // lane's constants by a select on the lane index. Every value gets the same arithmetic as in the
   // segment loop, so the same bits.
   static void normalize_short_segments(const T* x, T* y, Index inner, Index C, Index s0, Index s1,
                                        const T* piv, const T* sc, const T* bs) {
@@ -614,34 +614,25 @@ class BatchNorm {
       }
       y[i] = detail::madd(x[i] - piv[c], sc[c], bs[c]);
     };
-    // Up to the first packet boundary of y (fewer than L values: one segment).
-    const std::uintptr_t addr = reinterpret_cast<std::uintptr_t>(y + f);
-    const Index misalign = static_cast<Index>(addr % sizeof(Packet));
-    if (misalign % static_cast<Index>(sizeof(T)) == 0) {
-      const Index head = misalign ? (static_cast<Index>(sizeof(Packet)) - misalign) / static_cast<Index>(sizeof(T)) : 0;
-      for (const Index h = std::min(f1, f + head); f < h; ++f) one(f);
-    }
-    const bool aligned = reinterpret_cast<std::uintptr_t>(y + f) % sizeof(Packet) == 0;
+    // Up to the first packet boundary of y (fewer than L values: one
+    // segment). The stores after it land on packet boundaries.
+    const std::size_t bytes = sizeof(Packet);
+    const std::size_t to_boundary = (bytes - reinterpret_cast<std::uintptr_t>(y + f) % bytes) % bytes;
+    for (const Index h = std::min(f1, f + static_cast<Index>(to_boundary / sizeof(T))); f < h; ++f) one(f);
     Packet pp = pset1<Packet>(piv[c]), ps = pset1<Packet>(sc[c]), pb = pset1<Packet>(bs[c]);
     const Packet lane = plset<Packet>(T(0));
-    auto put = [&](Index i, const Packet& v) {
-      if (aligned)
-        pstore(y + i, v);
-      else
-        pstoreu(y + i, v);
-    };
     while (f + L <= f1) {
       if (f + L <= end) {  // whole packets inside the segment
         const Index stop = std::min(end, f1);
-        for (; f + L <= stop; f += L) put(f, pmadd(psub(ploadu<Packet>(x + f), pp), ps, pb));
+        for (; f + L <= stop; f += L) pstoreu(y + f, pmadd(psub(ploadu<Packet>(x + f), pp), ps, pb));
         continue;
       }
       const Index cn = c + 1 == C ? 0 : c + 1;
       const Packet np = pset1<Packet>(piv[cn]), ns = pset1<Packet>(sc[cn]), nb = pset1<Packet>(bs[cn]);
       if (f < end) {  // lanes [0, end - f) in channel c, the rest in cn
         const Packet first = pcmp_lt(lane, pset1<Packet>(static_cast<T>(end - f)));
-        put(f, pmadd(psub(ploadu<Packet>(x + f), pselect(first, pp, np)), pselect(first, ps, ns),
-                     pselect(first, pb, nb)));
+        pstoreu(y + f, pmadd(psub(ploadu<Packet>(x + f), pselect(first, pp, np)), pselect(first, ps, ns),
+                             pselect(first, pb, nb)));
         f += L;
       }
       c = cn;
