@@ -110,6 +110,36 @@ TYPED_TEST(MomentsTest, RowsMomentsMatchTwoPassAndIgnoreNeighbours) {
   }
 }
 
+// detail::inv_sqrt_eps (LayerNorm's and RMSNorm's rstd, a group of rows per
+// vector sqrt and division): bit for bit the scalar 1 / sqrt(v + eps), which
+// IEEE rounds correctly, for every group size, over the whole exponent range
+// and at the edges (0, subnormal, the largest double, +inf).
+TEST(InvSqrtEps, CorrectlyRoundedAsTheScalarExpression) {
+  std::mt19937_64 gen(11);
+  std::uniform_real_distribution<double> expo(-1000.0, 1000.0);
+  std::uniform_real_distribution<double> mant(1.0, 2.0);
+  const double edges[] = {0.0, 4.9e-324, 1e-310, 2.2250738585072014e-308, 1e-300, 1.0,
+                          1.7976931348623157e308, std::numeric_limits<double>::infinity()};
+  int mismatches = 0;
+  for (int it = 0; it < 4000; ++it) {
+    const Index count = 1 + it % normcore::detail::kInvSqrtGroup;
+    const double eps = it % 3 == 0 ? 0.0 : (it % 3 == 1 ? 1e-5 : 1e-12);
+    double v[normcore::detail::kInvSqrtGroup];
+    double r[normcore::detail::kInvSqrtGroup + 1];
+    for (Index i = 0; i < count; ++i)
+      v[i] = (it + i) % 7 == 0 ? edges[(it + i) % 8] : std::ldexp(mant(gen), static_cast<int>(expo(gen)));
+    r[count] = -7.0;  // nothing past count is written
+    normcore::detail::inv_sqrt_eps(v, eps, count, r);
+    for (Index i = 0; i < count; ++i) {
+      const double want = 1.0 / std::sqrt(v[i] + eps);
+      if (std::memcmp(&want, &r[i], sizeof want) != 0 && mismatches++ < 5)
+        ADD_FAILURE() << "v=" << v[i] << " eps=" << eps << ": expected " << want << ", got " << r[i];
+    }
+    EXPECT_EQ(r[count], -7.0);
+  }
+  EXPECT_EQ(mismatches, 0);
+}
+
 // rows_sum_squares (RMSNorm's statistic): against a double sum, and bit for
 // bit the same alone as inside a batch.
 TYPED_TEST(MomentsTest, RowsSumSquaresMatchDoubleAndIgnoreNeighbours) {

@@ -55,6 +55,26 @@ struct simd {
   static constexpr int A = L >= 16 ? 4 : 8;
 };
 
+/// The packet of at most 256 bits: simd<T>'s packet, or its half with
+/// AVX-512. Two uses:
+/// * The short-row paths (short_rows_moments, short_rows_sum_squares): their
+///   cost per row is mostly the lane merge, which grows with the lane count.
+///   With AVX-512, 256-bit packets took 0.35-0.7x the time of 512-bit ones
+///   for rows of 20 to 255 floats (and of 20 to 100 doubles), and give the
+///   same bits as an AVX2 build.
+/// * detail::inv_sqrt_eps: Eigen 3.4's AVX-512 psqrt for doubles is, by
+///   default (EIGEN_FAST_MATH), rsqrt14 and two Newton steps: not correctly
+///   rounded, NaN for +inf and infinite for subnormals. Its 256-bit psqrt is
+///   the sqrt instruction.
+template <typename T, bool Half = (sizeof(typename simd<T>::Packet) > 32)>
+struct narrow_simd {
+  using Packet = typename simd<T>::Packet;
+};
+template <typename T>
+struct narrow_simd<T, true> {
+  using Packet = typename Eigen::internal::packet_traits<T>::half;
+};
+
 /// a * b + c rounded exactly as Eigen's pmadd rounds it in this build (fused
 /// when the packets use FMA), so scalar tails match the vector body bit for bit.
 template <typename T>
@@ -274,12 +294,11 @@ inline void sum_lanes_by_halving(double* a) {
 ///      (lane l += lane l + h for h = L/2, ..., 1): the same tree on every
 ///      ISA.
 ///   4. Rows shorter than one packet: two-pass in double.
-template <typename T>
+template <typename T, typename Packet = typename narrow_simd<T>::Packet>
 void short_rows_moments(const T* const* rows, Index n, Welford<double>* out) {
   using namespace Eigen::internal;
-  using Packet = typename simd<T>::Packet;
   using PD = typename simd<double>::Packet;
-  constexpr int L = simd<T>::L;
+  constexpr int L = unpacket_traits<Packet>::size;
   constexpr int R = simd<double>::L;  // rows per group
   static_assert((L & (L - 1)) == 0, "packet sizes are powers of two");
   const auto& recip = reciprocals<T>::table;
@@ -568,11 +587,10 @@ namespace detail {
 /// packets) side by side, as short_rows_moments: one accumulator per row,
 /// the lanes widened, transposed and summed by halving in double, then the
 /// tail in double. A row's result depends only on its values and n.
-template <typename T>
+template <typename T, typename Packet = typename narrow_simd<T>::Packet>
 void short_rows_sum_squares(const T* const* rows, Index n, double* out) {
   using namespace Eigen::internal;
-  using Packet = typename simd<T>::Packet;
-  constexpr int L = simd<T>::L;
+  constexpr int L = unpacket_traits<Packet>::size;
   constexpr int R = simd<double>::L;
   const Index packets = n / L;
   Packet acc[R];

@@ -33,11 +33,12 @@ constexpr Index kInvSqrtGroup = 8;
 /// r[i] = 1 / sqrt(v[i] + eps) for i < count <= kInvSqrtGroup, in double
 /// packets: a group of rows pays for one vector sqrt and division instead of
 /// one scalar each. IEEE sqrt and division are correctly rounded, so every
-/// r[i] has the same bits as the scalar expression.
+/// r[i] has the same bits as the scalar expression. The packets are at most
+/// 256 bits (narrow_simd): Eigen's AVX-512 double psqrt is an approximation.
 inline void inv_sqrt_eps(const double* v, double eps, Index count, double* r) {
   using namespace Eigen::internal;
-  using PD = typename simd<double>::Packet;
-  constexpr int LD = simd<double>::L;
+  using PD = typename narrow_simd<double>::Packet;
+  constexpr int LD = static_cast<int>(sizeof(PD) / sizeof(double));
   static_assert(kInvSqrtGroup % LD == 0, "a group is whole double packets");
   alignas(64) double a[kInvSqrtGroup];
   alignas(64) double out[kInvSqrtGroup] = {};
