@@ -690,8 +690,10 @@ class BatchNorm {
   static void chunk_sums(const T* x, const T* dy, Index C, const T* mean, Index c0, Index w, Index r0, Index r1,
                          T* a) {
     using namespace Eigen::internal;
-    using Packet = typename detail::simd<T>::Packet;
-    constexpr int L = detail::simd<T>::L;
+    // At most 256-bit packets: the sums go through memory row after row, and
+    // with AVX-512 the 512-bit store-to-load chains took about twice as long.
+    using Packet = typename detail::narrow_simd<T>::Packet;
+    constexpr int L = detail::narrow_simd<T>::L;
     for (Index o = r0; o < r1; ++o) {
       const T* xr = x + o * C + c0;
       const T* gr = dy + o * C + c0;

@@ -69,10 +69,12 @@ struct simd {
 template <typename T, bool Half = (sizeof(typename simd<T>::Packet) > 32)>
 struct narrow_simd {
   using Packet = typename simd<T>::Packet;
+  static constexpr int L = simd<T>::L;
 };
 template <typename T>
 struct narrow_simd<T, true> {
   using Packet = typename Eigen::internal::packet_traits<T>::half;
+  static constexpr int L = simd<T>::L / 2;
 };
 
 /// a * b + c rounded exactly as Eigen's pmadd rounds it in this build (fused
@@ -477,9 +479,8 @@ namespace detail {
 template <typename T, typename Flush>
 void lane_chunks(const T* x, Index stride, Index count, Index lanes, const T* pivot, Flush&& flush) {
   using namespace Eigen::internal;
-  using S = detail::simd<T>;
-  using Packet = typename S::Packet;
-  constexpr int L = S::L;
+  using Packet = typename narrow_simd<T>::Packet;
+  constexpr int L = narrow_simd<T>::L;
   const auto& recip = detail::reciprocals<T>::table;
   if (lanes <= 0 || count <= 0) return;
   const Index vec = lanes / L * L;
