@@ -272,13 +272,19 @@ def write_markdown(path, per_threads, ctxs, cxx_flags, png_name):
 
 
 def write_png(path, per_threads):
-    import matplotlib
+    """The figure; without matplotlib, none (returns False)."""
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"report.py: matplotlib is not installed (Debian: python3-matplotlib); "
+              f"{path} not written", file=sys.stderr)
+        return False
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     ops = [op for op in OP_ORDER if any(k[0] == op for _, res in per_threads for k in res)]
     if not ops:
-        return
+        return False
     ncols = len(per_threads)
     fig, axes = plt.subplots(len(ops), ncols, figsize=(7.5 * ncols, 2.8 * len(ops)), squeeze=False)
     for col, (t, res) in enumerate(per_threads):
@@ -311,6 +317,7 @@ def write_png(path, per_threads):
                 ax.legend(fontsize=7, ncol=3)
     fig.tight_layout()
     fig.savefig(path, dpi=80)
+    return True
 
 
 def main():
@@ -327,8 +334,10 @@ def main():
         ctxs.append(ctx)
     per_threads.sort(key=lambda x: x[0])
     write_markdown(args.markdown, per_threads, ctxs, args.cxx_flags, os.path.basename(args.png))
-    write_png(args.png, per_threads)
-    print(f"report.py: wrote {args.markdown} and {args.png}")
+    if write_png(args.png, per_threads):
+        print(f"report.py: wrote {args.markdown} and {args.png}")
+    else:
+        print(f"report.py: wrote {args.markdown}")
     return 0
 
 

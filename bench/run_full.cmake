@@ -59,4 +59,4 @@ execute_process(
 if(NOT rc EQUAL 0)
   message(FATAL_ERROR "normcore bench: report.py failed (${rc})")
 endif()
-message(STATUS "normcore bench: wrote ${SOURCE_DIR}/RESULTS.md and ${SOURCE_DIR}/results.png")
+message(STATUS "normcore bench: wrote ${SOURCE_DIR}/RESULTS.md (and results.png, with matplotlib)")

@@ -92,8 +92,11 @@ bool bit_equal(const T* a, const T* b, std::size_t n) {
 
 /// The row lengths that break SIMD code: around every packet and block size.
 inline const std::vector<Index>& awkward_lengths() {
-  static const std::vector<Index> v = {1,  2,   3,   7,   15,  16,   17,   31,   32,  33,
-                                       63, 64,  65,  127, 128, 129,  768,  1000, 1024, 4097};
+  // Around every packet and kernel boundary: the short-row kernels end at
+  // 128 or 256 values (sums of squares) and 256 or 512 (moments).
+  static const std::vector<Index> v = {1,   2,   3,   7,   15,  16,  17,  31,  32,   33,   63,  64,
+                                       65,  127, 128, 129, 255, 256, 257, 511, 512,  513,  768, 1000,
+                                       1024, 4097};
   return v;
 }
 

@@ -255,6 +255,11 @@ namespace detail {
 /// pipelines, and merging their lanes one row at a time is mostly latency.
 constexpr Index kShortRowPackets = 16;
 
+/// Rows shorter than this go through short_rows_moments in rows_moments:
+/// 64 packets of narrow_simd (512 floats or 256 doubles with AVX2 or AVX-512).
+template <typename T>
+constexpr Index kShortMomentsValues = 64 * narrow_simd<T>::L;
+
 /// Bytes of rows whose statistics are taken before any of them is
 /// normalized. Long rows are grouped too: the per-row tail (lane merge,
 /// sqrt, division) of one row then overlaps the next row's loop instead of
@@ -438,12 +443,11 @@ void short_rows_moments(const T* const* rows, Index n, Welford<double>* out) {
 /// on its values and n: not on count, on its neighbours or on threads.
 template <typename T>
 void rows_moments(const T* x, Index n, Index ld, Index count, Welford<double>* out) {
-  constexpr int L = detail::simd<T>::L;
   if (n <= 0) {
     for (Index r = 0; r < count; ++r) out[r] = Welford<double>();
     return;
   }
-  if (n >= detail::kShortRowPackets * L) {
+  if (n >= detail::kShortMomentsValues<T>) {
     for (Index r = 0; r < count; ++r) out[r] = row_moments(x + r * ld, n, x[r * ld]);
     return;
   }
