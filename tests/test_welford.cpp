@@ -224,4 +224,26 @@ TYPED_TEST(MomentsTest, LaneMomentsMatchTwoPassPerColumn) {
   }
 }
 
+// lane_chunks keeps the states of up to kRegisterLanePackets whole packets of
+// lanes in registers down a chunk; with one lane more, the same columns go
+// through the states in memory. Both must give the same bits per column.
+TYPED_TEST(MomentsTest, LaneMomentsSameBitsInRegistersAsInMemory) {
+  using T = TypeParam;
+  constexpr int L = normcore::detail::simd<T>::L;
+  for (int np = 1; np <= 9; ++np) {
+    const Index lanes = np * L, stride = lanes + 1;
+    for (Index count : {Index(1), Index(7), Index(256), Index(300), Index(600)}) {
+      const auto v = randn<T>(static_cast<std::size_t>(stride * count), unsigned(np * 1000 + count), 20.0, 2.0);
+      std::vector<Welford<double>> reg(static_cast<std::size_t>(lanes)), mem(static_cast<std::size_t>(lanes + 1));
+      normcore::lane_moments(v.data(), stride, count, lanes, v.data(), reg.data());
+      normcore::lane_moments(v.data(), stride, count, lanes + 1, v.data(), mem.data());
+      for (Index c = 0; c < lanes; ++c) {
+        SCOPED_TRACE(::testing::Message() << "packets=" << np << " count=" << count << " c=" << c);
+        EXPECT_EQ(reg[static_cast<std::size_t>(c)].mean(), mem[static_cast<std::size_t>(c)].mean());
+        EXPECT_EQ(reg[static_cast<std::size_t>(c)].m2(), mem[static_cast<std::size_t>(c)].m2());
+      }
+    }
+  }
+}
+
 }  // namespace

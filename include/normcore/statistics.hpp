@@ -477,9 +477,66 @@ Welford<double> row_moments(const T* x, Index n) {
 
 namespace detail {
 
+/// Most packets of lanes whose Welford states lane_chunks keeps in registers
+/// for a whole chunk: 8 with 32 vector registers (AVX-512: 128 floats), 4
+/// with 16 (AVX2: 32 floats).
+template <typename T>
+constexpr int kRegisterLanePackets = EIGEN_ARCH_DEFAULT_NUMBER_OF_REGISTERS >= 32 ? 8 : 4;
+
+/// One chunk of lane_chunks with the states of its NP packets of lanes
+/// (every lane; no leftover lanes) in registers: rows i0 .. i0 + iters - 1,
+/// then the states stored to mean and m2. Each lane runs the same
+/// recurrence as in memory, so the same bits.
+template <int NP, typename T>
+void lane_chunk_in_registers(const T* x, Index stride, Index i0, Index iters, const T* pivot, T* mean,
+                             T* m2) {
+  using namespace Eigen::internal;
+  using Packet = typename simd<T>::Packet;
+  constexpr int L = simd<T>::L;
+  const auto& recip = detail::reciprocals<T>::table;
+  Packet mu[NP];
+  Packet q[NP];
+  for (int k = 0; k < NP; ++k) mu[k] = q[k] = pset1<Packet>(T(0));
+  for (Index it = 1; it <= iters; ++it) {
+    const T* row = x + (i0 + it - 1) * stride;
+    const Packet pinv = pset1<Packet>(recip[static_cast<std::size_t>(it)]);
+    for (int k = 0; k < NP; ++k) {
+      const Packet d = psub(ploadu<Packet>(row + k * L), ploadu<Packet>(pivot + k * L));
+      const Packet delta = psub(d, mu[k]);
+      mu[k] = pmadd(delta, pinv, mu[k]);
+      q[k] = pmadd(delta, psub(d, mu[k]), q[k]);
+    }
+  }
+  for (int k = 0; k < NP; ++k) {
+    pstoreu(mean + k * L, mu[k]);
+    pstoreu(m2 + k * L, q[k]);
+  }
+}
+
+/// lane_chunk_in_registers for np packets, 1 <= np <= kRegisterLanePackets.
+template <typename T>
+void lane_chunk_in_registers(int np, const T* x, Index stride, Index i0, Index iters, const T* pivot, T* mean,
+                             T* m2) {
+  constexpr bool wide = kRegisterLanePackets<T> >= 8;
+  switch (np) {
+    case 1: return lane_chunk_in_registers<1>(x, stride, i0, iters, pivot, mean, m2);
+    case 2: return lane_chunk_in_registers<2>(x, stride, i0, iters, pivot, mean, m2);
+    case 3: return lane_chunk_in_registers<3>(x, stride, i0, iters, pivot, mean, m2);
+    case 4: return lane_chunk_in_registers<4>(x, stride, i0, iters, pivot, mean, m2);
+    case 5: return lane_chunk_in_registers<wide ? 5 : 1>(x, stride, i0, iters, pivot, mean, m2);
+    case 6: return lane_chunk_in_registers<wide ? 6 : 1>(x, stride, i0, iters, pivot, mean, m2);
+    case 7: return lane_chunk_in_registers<wide ? 7 : 1>(x, stride, i0, iters, pivot, mean, m2);
+    default: return lane_chunk_in_registers<wide ? 8 : 1>(x, stride, i0, iters, pivot, mean, m2);
+  }
+}
+
 /// The chunks of lane_moments: rows [0, count) in chunks of kChunk rows (the
 /// last may be shorter); after chunk k, flush(k, rows, mean, m2) receives
 /// each lane's state in T (mean and M2 of the chunk's rows, shifted).
+/// Lanes that fill at most kRegisterLanePackets whole packets keep their
+/// states in registers down the chunk. Otherwise the states live in memory,
+/// updated row after row, in packets of at most 256 bits (with AVX-512, the
+/// 512-bit store-to-load chains took about twice as long).
 template <typename T, typename Flush>
 void lane_chunks(const T* x, Index stride, Index count, Index lanes, const T* pivot, Flush&& flush) {
   using namespace Eigen::internal;
@@ -487,6 +544,19 @@ void lane_chunks(const T* x, Index stride, Index count, Index lanes, const T* pi
   constexpr int L = narrow_simd<T>::L;
   const auto& recip = detail::reciprocals<T>::table;
   if (lanes <= 0 || count <= 0) return;
+  constexpr int LF = simd<T>::L;
+  if (lanes % LF == 0 && lanes / LF <= kRegisterLanePackets<T>) {
+    std::vector<T> state(static_cast<std::size_t>(2 * lanes));
+    Index i = 0;
+    for (Index k = 0; i < count; ++k) {
+      const Index iters = std::min<Index>(count - i, detail::kChunk);
+      lane_chunk_in_registers(static_cast<int>(lanes / LF), x, stride, i, iters, pivot, state.data(),
+                              state.data() + lanes);
+      i += iters;
+      flush(k, iters, static_cast<const T*>(state.data()), static_cast<const T*>(state.data() + lanes));
+    }
+    return;
+  }
   const Index vec = lanes / L * L;
   std::vector<T> state(static_cast<std::size_t>(2 * lanes));
   T* mean = state.data();
