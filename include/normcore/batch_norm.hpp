@@ -765,7 +765,7 @@ class BatchNorm {
                      Eigen::Tensor<P, 1>* dbias, const NormStats<T>* saved) const {
     using namespace Eigen::internal;
     // dx in packets of at most 256 bits: with AVX-512, 512-bit ones took
-    // 1.4-1.6x the time channels-last (three streams and six per-channel
+    // 1.3-1.7x the time channels-last (three streams and six per-channel
     // constants a packet) and the same channels-first.
     using Packet = typename detail::narrow_simd<T>::Packet;
     constexpr int L = detail::narrow_simd<T>::L;
