@@ -61,12 +61,17 @@ struct simd {
 ///   cost per row is mostly the lane merge, which grows with the lane count.
 ///   With AVX-512, 256-bit packets took 0.35-0.7x the time of 512-bit ones
 ///   for rows of 20 to 255 floats (and of 20 to 100 doubles), and give the
-///   same bits as an AVX2 build.
+///   same bits as an AVX2 build (for rows of at least one packet: shorter
+///   ones are a scalar two-pass, which compilers may contract differently).
 /// * detail::inv_sqrt_eps: Eigen 3.4's AVX-512 psqrt for doubles is, by
 ///   default (EIGEN_FAST_MATH), rsqrt14 and two Newton steps: not correctly
 ///   rounded, NaN for +inf and infinite for subnormals. Its 256-bit psqrt is
 ///   the sqrt instruction.
-template <typename T, bool Half = (sizeof(typename simd<T>::Packet) > 32)>
+/// (Only where Eigen's half packet is really narrower: its SVE backend
+/// declares the full packet as its own half.)
+template <typename T, bool Half = (sizeof(typename simd<T>::Packet) > 32 &&
+                                   sizeof(typename Eigen::internal::packet_traits<T>::half) <
+                                       sizeof(typename simd<T>::Packet))>
 struct narrow_simd {
   using Packet = typename simd<T>::Packet;
   static constexpr int L = simd<T>::L;
@@ -74,7 +79,7 @@ struct narrow_simd {
 template <typename T>
 struct narrow_simd<T, true> {
   using Packet = typename Eigen::internal::packet_traits<T>::half;
-  static constexpr int L = simd<T>::L / 2;
+  static constexpr int L = static_cast<int>(sizeof(Packet) / sizeof(T));
 };
 
 /// a * b + c rounded exactly as Eigen's pmadd rounds it in this build (fused
@@ -267,8 +272,8 @@ constexpr Index kShortMomentsValues = 64 * narrow_simd<T>::L;
 /// L1 when it is read the second time.
 constexpr Index kGroupBytes = 16 * 1024;
 
-/// Rows of n values of `bytes` each taken per group, 1..max_group. Short
-/// rows (under kShortRowPackets packets, at most 1 KB) always get max_group.
+/// Rows of n values of `bytes` each taken per group, 1..max_group (rows of
+/// up to 2 KB get max_group).
 inline Index rows_per_group(Index n, Index bytes, Index max_group) {
   const Index fit = kGroupBytes / std::max<Index>(1, n * bytes);
   return std::max<Index>(1, std::min<Index>(max_group, fit));
@@ -286,7 +291,7 @@ inline void sum_lanes_by_halving(double* a) {
     for (int l = 0; l < h; ++l) pstore(a + l * R, padd(pload<PD>(a + l * R), pload<PD>(a + (l + h) * R)));
 }
 
-/// Moments of simd<double>::L short rows (n < kShortRowPackets packets) side
+/// Moments of simd<double>::L short rows (rows_moments' kShortMomentsValues) side
 /// by side, each shifted by its first value; out[r] in shifted coordinates.
 /// Every operation is vertical across the rows, so a row's result depends
 /// only on its own values and on n, never on the rows it is grouped with.
@@ -658,7 +663,7 @@ double row_sum_squares(const T* x, Index n) {
 
 namespace detail {
 
-/// Sums of squares of simd<double>::L short rows (n < kShortRowPackets
+/// Sums of squares of simd<double>::L short rows (n < kShortRowPackets full
 /// packets) side by side, as short_rows_moments: one accumulator per row,
 /// the lanes widened, transposed and summed by halving in double, then the
 /// tail in double. A row's result depends only on its values and n.
