@@ -485,7 +485,6 @@ namespace detail {
 /// Most packets of lanes whose Welford states lane_chunks keeps in registers
 /// for a whole chunk: 8 with 32 vector registers (AVX-512: 128 floats), 4
 /// with 16 (AVX2: 32 floats).
-template <typename T>
 constexpr int kRegisterLanePackets = EIGEN_ARCH_DEFAULT_NUMBER_OF_REGISTERS >= 32 ? 8 : 4;
 
 /// One chunk of lane_chunks with the states of its NP packets of lanes
@@ -522,7 +521,7 @@ void lane_chunk_in_registers(const T* x, Index stride, Index i0, Index iters, co
 template <typename T>
 void lane_chunk_in_registers(int np, const T* x, Index stride, Index i0, Index iters, const T* pivot, T* mean,
                              T* m2) {
-  constexpr bool wide = kRegisterLanePackets<T> >= 8;
+  constexpr bool wide = kRegisterLanePackets >= 8;
   switch (np) {
     case 1: return lane_chunk_in_registers<1>(x, stride, i0, iters, pivot, mean, m2);
     case 2: return lane_chunk_in_registers<2>(x, stride, i0, iters, pivot, mean, m2);
@@ -550,7 +549,7 @@ void lane_chunks(const T* x, Index stride, Index count, Index lanes, const T* pi
   const auto& recip = detail::reciprocals<T>::table;
   if (lanes <= 0 || count <= 0) return;
   constexpr int LF = simd<T>::L;
-  if (lanes % LF == 0 && lanes / LF <= kRegisterLanePackets<T>) {
+  if (lanes % LF == 0 && lanes / LF <= kRegisterLanePackets) {
     std::vector<T> state(static_cast<std::size_t>(2 * lanes));
     Index i = 0;
     for (Index k = 0; i < count; ++k) {

@@ -38,7 +38,7 @@ constexpr Index kInvSqrtGroup = 8;
 inline void inv_sqrt_eps(const double* v, double eps, Index count, double* r) {
   using namespace Eigen::internal;
   using PD = typename narrow_simd<double>::Packet;
-  constexpr int LD = static_cast<int>(sizeof(PD) / sizeof(double));
+  constexpr int LD = narrow_simd<double>::L;
   static_assert(kInvSqrtGroup % LD == 0, "a group is whole double packets");
   alignas(64) double a[kInvSqrtGroup];
   alignas(64) double out[kInvSqrtGroup] = {};
