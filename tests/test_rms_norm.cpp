@@ -182,10 +182,12 @@ TEST(RMSNormErrors, ShapesAndMissingWeight) {
 
 TYPED_TEST(RMSNormTest, BatchIndependenceBitForBit) {
   using T = TypeParam;
-  // n = 100: short rows, grouped by packet lanes; n = 768: long rows,
-  // grouped by rows_per_group. Either way a row's result is its own.
+  // n = 100: short rows, grouped by packet lanes, and in the forward up to
+  // 40 rows at a time (two such groups here, the pick in the second one's
+  // partial lane group); n = 768: long rows, grouped by rows_per_group.
+  // Either way a row's result is its own.
   for (const Index n : {Index(100), Index(768)}) {
-    const Index rows = 21, pick = 18;
+    const Index rows = 70, pick = 66;
     RMSNorm<T> rn(RMSNormOptions({n}));
     const auto xl = randn<T>(static_cast<std::size_t>(rows * n), 12);
     const auto xc = to_colmajor(xl, rows, n);
