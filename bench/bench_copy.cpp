@@ -40,12 +40,12 @@ class CopyRunner : public Runner {
     copy_bytes(out_.data(), in_.x, out_.size() * sizeof(float));
     if (!half_.empty()) copy_bytes(half_.data(), in_.dy, half_.size() * sizeof(float));
   }
-  void collect(Result& r) override { r.out = out_; }
+  void collect(Result& r) override { r.out.assign(out_.begin(), out_.end()); }
 
  private:
   Case c_;
   Inputs in_;
-  std::vector<float> out_, half_;
+  Buffer out_, half_;
 };
 
 }  // namespace

@@ -132,7 +132,7 @@ class DnnlRunner : public Runner {
     strm_.wait();
   }
   void collect(Result& r) override {
-    r.out = out_;
+    r.out.assign(out_.begin(), out_.end());
     if (is_backward(c_.op)) {
       r.dweight = dw_;
       r.dbias = db_;
@@ -146,7 +146,8 @@ class DnnlRunner : public Runner {
   Case c_;
   dnnl::stream strm_;
   double eps_ = 0;
-  std::vector<float> out_, scratch_, mean_, var_, dw_, db_;
+  Buffer out_, scratch_;
+  std::vector<float> mean_, var_, dw_, db_;
   dnnl::primitive fwd_, bwd_;
   std::unordered_map<int, memory> args_;
 };

@@ -120,7 +120,7 @@ class NcLayerNorm : public Runner {
     }
   }
   void collect(Result& r) override {
-    r.out = out_;
+    r.out.assign(out_.begin(), out_.end());
     if (c_.op == Op::LN_bwd) {
       r.dweight = from_tensor(dw_);
       r.dbias = from_tensor(db_);
@@ -137,7 +137,7 @@ class NcLayerNorm : public Runner {
   normcore::LayerNorm<float> ln_;
   normcore::NormStats<float> stats_;
   Eigen::Tensor<float, 1> dw_, db_;
-  std::vector<float> out_;
+  Buffer out_;
 };
 
 #if NBENCH_HAVE_RMS
@@ -163,7 +163,7 @@ class NcRmsNorm : public Runner {
     }
   }
   void collect(Result& r) override {
-    r.out = out_;
+    r.out.assign(out_.begin(), out_.end());
     if (c_.op == Op::RMS_bwd) r.dweight = from_tensor(dw_);
   }
 
@@ -174,7 +174,7 @@ class NcRmsNorm : public Runner {
   normcore::RMSNorm<float> rn_;
   normcore::NormStats<float> stats_;
   Eigen::Tensor<float, 1> dw_;
-  std::vector<float> out_;
+  Buffer out_;
 };
 #endif
 
@@ -221,7 +221,7 @@ class NcBatchNorm : public Runner {
     }
   }
   void collect(Result& r) override {
-    r.out = out_;
+    r.out.assign(out_.begin(), out_.end());
     if (c_.op == Op::BN_bwd) {
       r.dweight = from_tensor(dw_);
       r.dbias = from_tensor(db_);
@@ -254,7 +254,7 @@ class NcBatchNorm : public Runner {
   normcore::BatchNorm<float> bn_;
   normcore::NormStats<float> stats_;
   Eigen::Tensor<float, 1> dw_, db_;
-  std::vector<float> out_;
+  Buffer out_;
 };
 #endif
 
@@ -369,7 +369,7 @@ class NcRows16 : public Runner {
   normcore::RMSNorm<S> rn_;
   normcore::NormStats<float> stats_;
   Eigen::Tensor<S, 1> dw_, db_;
-  std::vector<S> x_, dy_, out_, h_;
+  std::vector<S, CacheAligned<S>> x_, dy_, out_, h_;
 };
 
 RunnerPtr make_rows16(const Case& c, const Inputs& in, bool fused) {
@@ -536,7 +536,7 @@ class EigenRunner : public Runner {
   }
 
   void collect(Result& r) override {
-    r.out = out_;
+    r.out.assign(out_.begin(), out_.end());
     auto v = [](const Vec& t) { return std::vector<float>(t.data(), t.data() + t.size()); };
     switch (c_.op) {
       case Op::LN_fwd_stats:
@@ -669,7 +669,7 @@ class EigenRunner : public Runner {
 
   Case c_;
   Inputs in_;
-  std::vector<float> out_;
+  Buffer out_;
   std::unique_ptr<Eigen::ThreadPool> pool_;
   std::unique_ptr<Eigen::ThreadPoolDevice> dev_;
   Idx rows_ = 0, n_ = 0, a_ = 0, ch_ = 0, b_ = 0;

@@ -96,7 +96,7 @@ struct Store {
   std::vector<std::int64_t> dims;
   Layout layout = Layout::Rows;
   Prec prec = Prec::F32;
-  std::vector<float> x, dy, gamma, beta, rmean, rvar;
+  Buffer x, dy, gamma, beta, rmean, rvar;
   Inputs in;
   std::map<Op, Result> expected;  // reference results, computed on demand
   std::set<Op> no_reference;
