@@ -254,6 +254,45 @@ TYPED_TEST(LayerNormTest, InPlaceForwardMatchesOutOfPlaceBitForBit) {
   }
 }
 
+// Inputs of normcore::detail::kPrefetchAheadBytes or more take the forward path that
+// prefetches the next group of rows: the same bits as the same rows in
+// calls below the threshold, for short rows (groups of 8) and rows that
+// leave a tail (groups of 4), in place too.
+TYPED_TEST(LayerNormTest, LargeInputForwardSameBitsAsSmallCalls) {
+  using T = TypeParam;
+  for (Index n : {Index(64), Index(1000)}) {
+    SCOPED_TRACE(::testing::Message() << "n=" << n);
+    const Index row_bytes = n * static_cast<Index>(sizeof(T));
+    const Index rows = normcore::detail::kPrefetchAheadBytes / row_bytes + 5;  // a partial last group
+    LayerNorm<T> ln(LayerNormOptions({n}));
+    const auto gv = randn<T>(static_cast<std::size_t>(n), 7, 1.0, 0.5);
+    const auto bv = randn<T>(static_cast<std::size_t>(n), 8, 0.0, 0.5);
+    std::copy(gv.begin(), gv.end(), ln.weight().data());
+    std::copy(bv.begin(), bv.end(), ln.bias().data());
+    auto buf = randn<T>(static_cast<std::size_t>(rows * n), 21, 0.5, 2.0);
+    Eigen::TensorMap<const Eigen::Tensor<T, 2, Eigen::RowMajor>> x(buf.data(), rows, n);
+    Eigen::Tensor<T, 2, Eigen::RowMajor> y(rows, n);
+    NormStats<T> st;
+    ln.forward(x, y, st);
+    const Index chunk = 1000;  // chunk * row_bytes is far below the threshold
+    ASSERT_LT(chunk * row_bytes, normcore::detail::kPrefetchAheadBytes);
+    for (Index r0 = 0; r0 < rows; r0 += chunk) {
+      const Index m = std::min(chunk, rows - r0);
+      Eigen::TensorMap<const Eigen::Tensor<T, 2, Eigen::RowMajor>> xs(buf.data() + r0 * n, m, n);
+      Eigen::Tensor<T, 2, Eigen::RowMajor> ys(m, n);
+      NormStats<T> ss;
+      ln.forward(xs, ys, ss);
+      ASSERT_EQ(std::memcmp(ys.data(), y.data() + r0 * n, static_cast<std::size_t>(m * row_bytes)), 0)
+          << "rows " << r0 << ".." << r0 + m;
+      ASSERT_EQ(std::memcmp(ss.mean.data(), st.mean.data() + r0, static_cast<std::size_t>(m) * sizeof(T)), 0);
+      ASSERT_EQ(std::memcmp(ss.rstd.data(), st.rstd.data() + r0, static_cast<std::size_t>(m) * sizeof(T)), 0);
+    }
+    Eigen::TensorMap<Eigen::Tensor<T, 2, Eigen::RowMajor>> inplace(buf.data(), rows, n);
+    ln.forward(inplace, inplace);
+    ASSERT_EQ(std::memcmp(buf.data(), y.data(), static_cast<std::size_t>(rows * row_bytes)), 0) << "in place";
+  }
+}
+
 // Float rows with mean 1e4..1e6 and standard deviation 1. The tolerance is
 // the floor set by the input itself (ulp(mean)/2 / std) times 1.5; the naive
 // E[x^2] - E[x]^2 formula misses it on the same data, so this test can fail.

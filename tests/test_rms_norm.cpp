@@ -180,6 +180,35 @@ TEST(RMSNormErrors, ShapesAndMissingWeight) {
   EXPECT_THROW(plain.backward(ok, ok, nullptr, &dw), std::invalid_argument);
 }
 
+// Inputs of normcore::detail::kPrefetchAheadBytes or more take the forward path that
+// prefetches the next group of rows: the same bits as the same rows in
+// calls below the threshold.
+TYPED_TEST(RMSNormTest, LargeInputForwardSameBitsAsSmallCalls) {
+  using T = TypeParam;
+  for (Index n : {Index(64), Index(1000)}) {
+    SCOPED_TRACE(::testing::Message() << "n=" << n);
+    const Index row_bytes = n * static_cast<Index>(sizeof(T));
+    const Index rows = normcore::detail::kPrefetchAheadBytes / row_bytes + 5;
+    RMSNorm<T> rn(RMSNormOptions({n}));
+    const auto gv = randn<T>(static_cast<std::size_t>(n), 7, 1.0, 0.5);
+    std::copy(gv.begin(), gv.end(), rn.weight().data());
+    const auto buf = randn<T>(static_cast<std::size_t>(rows * n), 22, 0.5, 2.0);
+    Eigen::TensorMap<const Eigen::Tensor<T, 2, Eigen::RowMajor>> x(buf.data(), rows, n);
+    Eigen::Tensor<T, 2, Eigen::RowMajor> y(rows, n);
+    rn.forward(x, y);
+    const Index chunk = 1000;
+    ASSERT_LT(chunk * row_bytes, normcore::detail::kPrefetchAheadBytes);
+    for (Index r0 = 0; r0 < rows; r0 += chunk) {
+      const Index m = std::min(chunk, rows - r0);
+      Eigen::TensorMap<const Eigen::Tensor<T, 2, Eigen::RowMajor>> xs(buf.data() + r0 * n, m, n);
+      Eigen::Tensor<T, 2, Eigen::RowMajor> ys(m, n);
+      rn.forward(xs, ys);
+      ASSERT_EQ(std::memcmp(ys.data(), y.data() + r0 * n, static_cast<std::size_t>(m * row_bytes)), 0)
+          << "rows " << r0 << ".." << r0 + m;
+    }
+  }
+}
+
 TYPED_TEST(RMSNormTest, BatchIndependenceBitForBit) {
   using T = TypeParam;
   // n = 100: short rows, grouped by packet lanes, and in the forward up to

@@ -353,11 +353,14 @@ class RMSNorm {
     const Index align = xv.row_major ? 1 : L;
     const Index parts = detail::parts_for(device, rows * n, (rows + align - 1) / align, detail::kPartsPerThread);
     const detail::Split split{rows, parts, align};
+    // (16-bit rows are normalized from a widened copy in cache.)
+    const bool ahead = std::is_same<S, T>::value &&
+                       rows * n * static_cast<Index>(sizeof(S)) >= detail::kPrefetchAheadBytes;
     if (xv.row_major) {
       detail::run_parts(device, parts, [&](Index p) {
         detail::rows_in_compute_type<T>(xv.data, out, n, split.begin(p), split.begin(p + 1),
                                         [&](const T* xb, T* yb, Index m, Index r0) {
-                                          forward_rows(xb, yb, n, m, rsave ? rsave + r0 : nullptr, prm.gamma);
+                                          forward_rows(xb, yb, n, m, rsave ? rsave + r0 : nullptr, prm.gamma, ahead);
                                         });
       });
       return;
@@ -422,7 +425,10 @@ class RMSNorm {
   static constexpr Index kResidentBytes = Index(512) * 1024;
 
   // `count` RowMajor rows of n values; rsave (optional) gets rstd per row.
-  void forward_rows(const T* x, T* out, Index n, Index count, T* rsave, const T* g) const {
+  // With `prefetch` (inputs beyond detail::kPrefetchAheadBytes, rows of
+  // less than a whole group), each row of the next group is requested as a
+  // row of this one is normalized, as in LayerNorm's forward.
+  void forward_rows(const T* x, T* out, Index n, Index count, T* rsave, const T* g, bool prefetch = false) const {
     using namespace Eigen::internal;
     using Packet = typename detail::simd<T>::Packet;
     constexpr int L = detail::simd<T>::L;
@@ -432,8 +438,10 @@ class RMSNorm {
     for (Index r0 = 0; r0 < count; r0 += group) {
       const Index m = std::min(group, count - r0);
       rows_rstd(x + r0 * n, n, m, rg);
+      const Index ahead = prefetch && group > 1 ? std::min(group, count - r0 - m) : 0;
       for (Index k = 0; k < m; ++k) {
         const Index i = r0 + k;
+        if (k < ahead) detail::prefetch_span(x + (i + m) * n, n * static_cast<Index>(sizeof(T)));
         const T* xr = x + i * n;
         T* yr = out + i * n;
         const W ri = rg[k];

@@ -272,6 +272,20 @@ constexpr Index kShortMomentsValues = 64 * narrow_simd<T>::L;
 /// L1 when it is read the second time.
 constexpr Index kGroupBytes = 16 * 1024;
 
+/// Inputs at least this large are mostly read from memory, not from a
+/// cache: the forward then requests each row of the next group while it
+/// normalizes the current one (software prefetch), so that the next group's
+/// statistics pass does not start on misses. Measured on Zen 4 (32 MB L3)
+/// with LayerNorm forward: 16 MB inputs 0.77-0.9x the time; 1.5-8 MB
+/// inputs, which the caches hold between calls, 1.05-1.25x, hence the gate.
+constexpr Index kPrefetchAheadBytes = Index(12) << 20;
+
+/// Requests the `bytes` bytes at p into the cache (one prefetch per line).
+inline void prefetch_span(const void* p, Index bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (Index off = 0; off < bytes; off += 64) Eigen::internal::prefetch(c + off);
+}
+
 /// Rows of n values of `bytes` each taken per group, 1..max_group (rows of
 /// up to 2 KB get max_group).
 inline Index rows_per_group(Index n, Index bytes, Index max_group) {
