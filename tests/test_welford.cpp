@@ -206,7 +206,7 @@ TYPED_TEST(MomentsTest, EveryLeftoverAfterFullChunks) {
 
 TYPED_TEST(MomentsTest, LaneMomentsMatchTwoPassPerColumn) {
   using T = TypeParam;
-  for (Index lanes : {Index(1), Index(3), Index(16), Index(21), Index(64)}) {
+  for (Index lanes : {Index(1), Index(3), Index(16), Index(21), Index(64), Index(300)}) {
     for (Index count : {Index(1), Index(2), Index(5), Index(600)}) {
       const auto v = randn<T>(static_cast<std::size_t>(lanes * count), unsigned(lanes * 100 + count), 50.0, 3.0);
       std::vector<Welford<double>> out(static_cast<std::size_t>(lanes));
@@ -224,23 +224,35 @@ TYPED_TEST(MomentsTest, LaneMomentsMatchTwoPassPerColumn) {
   }
 }
 
-// lane_chunks keeps the states of up to kRegisterLanePackets whole packets of
-// lanes in registers down a chunk; with one lane more, the same columns go
-// through the states in memory. Both must give the same bits per column.
+// lane_chunks keeps the states of whole packets of lanes in registers down a
+// chunk, kRegisterLanePackets packets at a time, leftover lanes in scalars;
+// lane_chunks_in_memory updates every state in memory row after row. Both
+// must give the same bits per column: one block or several, with and
+// without leftover lanes, chunks whole and partial.
 TYPED_TEST(MomentsTest, LaneMomentsSameBitsInRegistersAsInMemory) {
   using T = TypeParam;
   constexpr int L = normcore::detail::simd<T>::L;
-  for (int np = 1; np <= 9; ++np) {
-    const Index lanes = np * L, stride = lanes + 1;
-    for (Index count : {Index(1), Index(7), Index(256), Index(300), Index(600)}) {
-      const auto v = randn<T>(static_cast<std::size_t>(stride * count), unsigned(np * 1000 + count), 20.0, 2.0);
-      std::vector<Welford<double>> reg(static_cast<std::size_t>(lanes)), mem(static_cast<std::size_t>(lanes + 1));
-      normcore::lane_moments(v.data(), stride, count, lanes, v.data(), reg.data());
-      normcore::lane_moments(v.data(), stride, count, lanes + 1, v.data(), mem.data());
-      for (Index c = 0; c < lanes; ++c) {
-        SCOPED_TRACE(::testing::Message() << "packets=" << np << " count=" << count << " c=" << c);
-        EXPECT_EQ(reg[static_cast<std::size_t>(c)].mean(), mem[static_cast<std::size_t>(c)].mean());
-        EXPECT_EQ(reg[static_cast<std::size_t>(c)].m2(), mem[static_cast<std::size_t>(c)].m2());
+  for (int np = 1; np <= 20; ++np) {
+    for (Index extra : {Index(0), Index(3)}) {
+      const Index lanes = np * L + extra, stride = lanes + 1;
+      for (Index count : {Index(1), Index(7), Index(256), Index(300), Index(600)}) {
+        const auto v = randn<T>(static_cast<std::size_t>(stride * count), unsigned(np * 1000 + count), 20.0, 2.0);
+        std::vector<Welford<double>> reg(static_cast<std::size_t>(lanes)), mem(static_cast<std::size_t>(lanes));
+        normcore::lane_moments(v.data(), stride, count, lanes, v.data(), reg.data());
+        normcore::detail::lane_chunks_in_memory(v.data(), stride, count, lanes, v.data(),
+                                                [&](Index, Index rows, const T* mean, const T* m2) {
+                                                  for (Index c = 0; c < lanes; ++c)
+                                                    mem[static_cast<std::size_t>(c)].merge(Welford<double>(
+                                                        static_cast<double>(rows), static_cast<double>(mean[c]),
+                                                        static_cast<double>(m2[c])));
+                                                });
+        for (Index c = 0; c < lanes; ++c) {
+          SCOPED_TRACE(::testing::Message() << "packets=" << np << " extra=" << extra << " count=" << count
+                                            << " c=" << c);
+          ASSERT_EQ(reg[static_cast<std::size_t>(c)].count(), mem[static_cast<std::size_t>(c)].count());
+          ASSERT_EQ(reg[static_cast<std::size_t>(c)].mean(), mem[static_cast<std::size_t>(c)].mean());
+          ASSERT_EQ(reg[static_cast<std::size_t>(c)].m2(), mem[static_cast<std::size_t>(c)].m2());
+        }
       }
     }
   }

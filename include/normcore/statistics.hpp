@@ -548,33 +548,17 @@ void lane_chunk_in_registers(int np, const T* x, Index stride, Index i0, Index i
   }
 }
 
-/// The chunks of lane_moments: rows [0, count) in chunks of kChunk rows (the
-/// last may be shorter); after chunk k, flush(k, rows, mean, m2) receives
-/// each lane's state in T (mean and M2 of the chunk's rows, shifted).
-/// Lanes that fill at most kRegisterLanePackets whole packets keep their
-/// states in registers down the chunk. Otherwise the states live in memory,
-/// updated row after row, in packets of at most 256 bits (with AVX-512, the
-/// 512-bit store-to-load chains took about twice as long).
+/// lane_chunks with every lane's state in memory, updated row after row, in
+/// packets of at most 256 bits (with AVX-512, the 512-bit store-to-load
+/// chains took about twice as long): lane_chunks' path for fewer lanes than
+/// one packet, and the tests' witness that its register path keeps the bits.
 template <typename T, typename Flush>
-void lane_chunks(const T* x, Index stride, Index count, Index lanes, const T* pivot, Flush&& flush) {
+void lane_chunks_in_memory(const T* x, Index stride, Index count, Index lanes, const T* pivot, Flush&& flush) {
   using namespace Eigen::internal;
   using Packet = typename narrow_simd<T>::Packet;
   constexpr int L = narrow_simd<T>::L;
   const auto& recip = detail::reciprocals<T>::table;
   if (lanes <= 0 || count <= 0) return;
-  constexpr int LF = simd<T>::L;
-  if (lanes % LF == 0 && lanes / LF <= kRegisterLanePackets) {
-    std::vector<T> state(static_cast<std::size_t>(2 * lanes));
-    Index i = 0;
-    for (Index k = 0; i < count; ++k) {
-      const Index iters = std::min<Index>(count - i, detail::kChunk);
-      lane_chunk_in_registers(static_cast<int>(lanes / LF), x, stride, i, iters, pivot, state.data(),
-                              state.data() + lanes);
-      i += iters;
-      flush(k, iters, static_cast<const T*>(state.data()), static_cast<const T*>(state.data() + lanes));
-    }
-    return;
-  }
   const Index vec = lanes / L * L;
   std::vector<T> state(static_cast<std::size_t>(2 * lanes));
   T* mean = state.data();
@@ -604,6 +588,58 @@ void lane_chunks(const T* x, Index stride, Index count, Index lanes, const T* pi
     }
     flush(k, iters, static_cast<const T*>(mean), static_cast<const T*>(m2));
   }
+}
+
+/// The chunks of lane_moments: rows [0, count) in chunks of kChunk rows (the
+/// last may be shorter); after chunk k, flush(k, rows, mean, m2) receives
+/// each lane's state in T (mean and M2 of the chunk's rows, shifted).
+/// Lanes in whole packets keep their states in registers down the chunk,
+/// kRegisterLanePackets packets at a time (the same recurrence per lane as
+/// lane_chunks_in_memory, so the same bits); fewer lanes than one packet go
+/// through lane_chunks_in_memory.
+template <typename T, typename Flush>
+void lane_chunks(const T* x, Index stride, Index count, Index lanes, const T* pivot, Flush&& flush) {
+  const auto& recip = detail::reciprocals<T>::table;
+  if (lanes <= 0 || count <= 0) return;
+  constexpr int LF = simd<T>::L;
+  constexpr Index kBlock = Index(kRegisterLanePackets) * LF;
+  if (lanes >= LF) {
+    // The whole packets of lanes in blocks of up to kRegisterLanePackets,
+    // each block down the whole chunk with its states in registers (a chunk
+    // of 256 rows of 512 floats is 512 KB: the blocks after the first read
+    // it from the L2). Leftover lanes (lanes mod LF) run the same recurrence
+    // in scalars, in memory.
+    const Index full = lanes / LF * LF;
+    std::vector<T> state(static_cast<std::size_t>(2 * lanes));
+    T* mean = state.data();
+    T* m2 = mean + lanes;
+    Index i = 0;
+    for (Index k = 0; i < count; ++k) {
+      const Index iters = std::min<Index>(count - i, detail::kChunk);
+      for (Index c0 = 0; c0 < full; c0 += kBlock) {
+        const int np = static_cast<int>(std::min<Index>(kBlock, full - c0) / LF);
+        lane_chunk_in_registers(np, x + c0, stride, i, iters, pivot + c0, mean + c0, m2 + c0);
+      }
+      if (full < lanes) {
+        std::fill(mean + full, mean + lanes, T(0));
+        std::fill(m2 + full, m2 + lanes, T(0));
+        for (Index it = 1; it <= iters; ++it) {
+          const T* row = x + (i + it - 1) * stride;
+          const T inv = recip[static_cast<std::size_t>(it)];
+          for (Index c = full; c < lanes; ++c) {
+            const T d = row[c] - pivot[c];
+            const T delta = d - mean[c];
+            mean[c] = detail::madd(delta, inv, mean[c]);
+            m2[c] = detail::madd(delta, d - mean[c], m2[c]);
+          }
+        }
+      }
+      i += iters;
+      flush(k, iters, static_cast<const T*>(mean), static_cast<const T*>(m2));
+    }
+    return;
+  }
+  lane_chunks_in_memory(x, stride, count, lanes, pivot, flush);
 }
 
 }  // namespace detail

@@ -46,9 +46,7 @@ inline void inv_sqrt_eps(const double* v, double eps, Index count, double* r) {
   alignas(64) double out[kInvSqrtGroup] = {};
   for (Index i = 0; i < kInvSqrtGroup; ++i) a[i] = i < count ? v[i] : 1.0;
   const PD one = pset1<PD>(1.0), pe = pset1<PD>(eps);
-  // Only the packets that hold rows: one row (a single-row call) pays for
-  // one sqrt and one division, not a whole group's latency chain.
-  for (Index i = 0; i < count; i += LD) pstore(out + i, pdiv(one, psqrt(padd(pload<PD>(a + i), pe))));
+  for (Index i = 0; i < kInvSqrtGroup; i += LD) pstore(out + i, pdiv(one, psqrt(padd(pload<PD>(a + i), pe))));
   for (Index i = 0; i < count; ++i) r[i] = out[i];
 }
 
