@@ -548,6 +548,36 @@ void lane_chunk_in_registers(int np, const T* x, Index stride, Index i0, Index i
   }
 }
 
+/// One Welford step of lanes [c0, c1) of a row, in scalars (inv = 1 / the
+/// step's count): the recurrence the packet paths run per lane.
+template <typename T>
+inline void lanes_step_scalar(const T* row, const T* pivot, T inv, Index c0, Index c1, T* mean, T* m2) {
+  for (Index c = c0; c < c1; ++c) {
+    const T d = row[c] - pivot[c];
+    const T delta = d - mean[c];
+    mean[c] = detail::madd(delta, inv, mean[c]);
+    m2[c] = detail::madd(delta, d - mean[c], m2[c]);
+  }
+}
+
+/// The chunks of kChunk rows of [0, count): step(i, iters, mean, m2) with
+/// the states of `lanes` lanes zeroed (i: the chunk's first row), then
+/// flush(k, iters, mean, m2) for chunk k.
+template <typename T, typename Step, typename Flush>
+void chunked_lane_states(Index count, Index lanes, Step&& step, Flush&& flush) {
+  std::vector<T> state(static_cast<std::size_t>(2 * lanes));
+  T* mean = state.data();
+  T* m2 = mean + lanes;
+  Index i = 0;
+  for (Index k = 0; i < count; ++k) {
+    const Index iters = std::min<Index>(count - i, detail::kChunk);
+    std::fill(state.begin(), state.end(), T(0));
+    step(i, iters, mean, m2);
+    i += iters;
+    flush(k, iters, static_cast<const T*>(mean), static_cast<const T*>(m2));
+  }
+}
+
 /// lane_chunks with every lane's state in memory, updated row after row, in
 /// packets of at most 256 bits (with AVX-512, the 512-bit store-to-load
 /// chains took about twice as long): lane_chunks' path for fewer lanes than
@@ -560,15 +590,9 @@ void lane_chunks_in_memory(const T* x, Index stride, Index count, Index lanes, c
   const auto& recip = detail::reciprocals<T>::table;
   if (lanes <= 0 || count <= 0) return;
   const Index vec = lanes / L * L;
-  std::vector<T> state(static_cast<std::size_t>(2 * lanes));
-  T* mean = state.data();
-  T* m2 = mean + lanes;
-  Index i = 0;
-  for (Index k = 0; i < count; ++k) {
-    const Index iters = std::min<Index>(count - i, detail::kChunk);
-    std::fill(state.begin(), state.end(), T(0));
-    for (Index it = 1; it <= iters; ++it, ++i) {
-      const T* row = x + i * stride;
+  chunked_lane_states<T>(count, lanes, [&](Index i, Index iters, T* mean, T* m2) {
+    for (Index it = 1; it <= iters; ++it) {
+      const T* row = x + (i + it - 1) * stride;
       const T inv = recip[static_cast<std::size_t>(it)];
       const Packet pinv = pset1<Packet>(inv);
       for (Index c = 0; c < vec; c += L) {
@@ -579,15 +603,9 @@ void lane_chunks_in_memory(const T* x, Index stride, Index count, Index lanes, c
         pstoreu(mean + c, mu);
         pstoreu(m2 + c, pmadd(delta, psub(d, mu), ploadu<Packet>(m2 + c)));
       }
-      for (Index c = vec; c < lanes; ++c) {
-        const T d = row[c] - pivot[c];
-        const T delta = d - mean[c];
-        mean[c] = detail::madd(delta, inv, mean[c]);
-        m2[c] = detail::madd(delta, d - mean[c], m2[c]);
-      }
+      lanes_step_scalar(row, pivot, inv, vec, lanes, mean, m2);
     }
-    flush(k, iters, static_cast<const T*>(mean), static_cast<const T*>(m2));
-  }
+  }, flush);
 }
 
 /// The chunks of lane_moments: rows [0, count) in chunks of kChunk rows (the
@@ -610,33 +628,16 @@ void lane_chunks(const T* x, Index stride, Index count, Index lanes, const T* pi
     // it from the L2). Leftover lanes (lanes mod LF) run the same recurrence
     // in scalars, in memory.
     const Index full = lanes / LF * LF;
-    std::vector<T> state(static_cast<std::size_t>(2 * lanes));
-    T* mean = state.data();
-    T* m2 = mean + lanes;
-    Index i = 0;
-    for (Index k = 0; i < count; ++k) {
-      const Index iters = std::min<Index>(count - i, detail::kChunk);
+    chunked_lane_states<T>(count, lanes, [&](Index i, Index iters, T* mean, T* m2) {
       for (Index c0 = 0; c0 < full; c0 += kBlock) {
         const int np = static_cast<int>(std::min<Index>(kBlock, full - c0) / LF);
         lane_chunk_in_registers(np, x + c0, stride, i, iters, pivot + c0, mean + c0, m2 + c0);
       }
-      if (full < lanes) {
-        std::fill(mean + full, mean + lanes, T(0));
-        std::fill(m2 + full, m2 + lanes, T(0));
-        for (Index it = 1; it <= iters; ++it) {
-          const T* row = x + (i + it - 1) * stride;
-          const T inv = recip[static_cast<std::size_t>(it)];
-          for (Index c = full; c < lanes; ++c) {
-            const T d = row[c] - pivot[c];
-            const T delta = d - mean[c];
-            mean[c] = detail::madd(delta, inv, mean[c]);
-            m2[c] = detail::madd(delta, d - mean[c], m2[c]);
-          }
-        }
-      }
-      i += iters;
-      flush(k, iters, static_cast<const T*>(mean), static_cast<const T*>(m2));
-    }
+      if (full == lanes) return;
+      for (Index it = 1; it <= iters; ++it)
+        lanes_step_scalar(x + (i + it - 1) * stride, pivot, recip[static_cast<std::size_t>(it)], full, lanes,
+                          mean, m2);
+    }, flush);
     return;
   }
   lane_chunks_in_memory(x, stride, count, lanes, pivot, flush);
