@@ -346,7 +346,7 @@ class LayerNorm {
   // detail::kGroupBytes), then their normalization while the group is
   // still in L1. With `prefetch` (inputs beyond detail::kPrefetchAheadBytes)
   // each row of the next group is requested as a row of this one is
-  // normalized; not for rows of a whole group (8 KB or more), whose long
+  // normalized; not for rows over 8 KB (one row per group), whose long
   // sequential runs the hardware prefetchers follow (4096 floats: 1.12x the
   // time with the prefetches).
   void forward_rows(const T* x, T* out, Index n, Index count, T* mean, T* rstd, const T* g,

@@ -425,9 +425,9 @@ class RMSNorm {
   static constexpr Index kResidentBytes = Index(512) * 1024;
 
   // `count` RowMajor rows of n values; rsave (optional) gets rstd per row.
-  // With `prefetch` (inputs beyond detail::kPrefetchAheadBytes, rows of
-  // less than a whole group), each row of the next group is requested as a
-  // row of this one is normalized, as in LayerNorm's forward.
+  // With `prefetch` (inputs beyond detail::kPrefetchAheadBytes, rows of at
+  // most 8 KB, several to a group), each row of the next group is requested
+  // as a row of this one is normalized, as in LayerNorm's forward.
   void forward_rows(const T* x, T* out, Index n, Index count, T* rsave, const T* g, bool prefetch = false) const {
     using namespace Eigen::internal;
     using Packet = typename detail::simd<T>::Packet;
