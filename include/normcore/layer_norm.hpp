@@ -320,9 +320,7 @@ class LayerNorm {
     const Index align = xv.row_major ? 1 : L;
     const Index parts = detail::parts_for(device, rows * n, (rows + align - 1) / align, detail::kPartsPerThread);
     const detail::Split split{rows, parts, align};
-    // (16-bit rows are normalized from a widened copy in cache.)
-    const bool ahead = std::is_same<S, T>::value &&
-                       rows * n * static_cast<Index>(sizeof(S)) >= detail::kPrefetchAheadBytes;
+    const bool ahead = detail::prefetch_ahead<S, T>(rows, n);
     if (xv.row_major) {
       detail::run_parts(device, parts, [&](Index p) {
         // 16-bit rows: widened a block at a time, normalized in float,
@@ -344,11 +342,9 @@ class LayerNorm {
   // `count` rows of n contiguous values; mean/rstd (optional) per row.
   // Statistics for a group of rows (up to kCoeffGroup, at most
   // detail::kGroupBytes), then their normalization while the group is
-  // still in L1. With `prefetch` (inputs beyond detail::kPrefetchAheadBytes)
-  // each row of the next group is requested as a row of this one is
-  // normalized; not for rows over 8 KB (one row per group), whose long
-  // sequential runs the hardware prefetchers follow (4096 floats: 1.12x the
-  // time with the prefetches).
+  // still in L1. With `prefetch` (detail::prefetch_ahead) each row of the
+  // next group is requested as a row of this one is normalized
+  // (detail::rows_ahead: not for one-row groups).
   void forward_rows(const T* x, T* out, Index n, Index count, T* mean, T* rstd, const T* g,
                     const T* b, bool prefetch = false) const {
     const Index group = detail::rows_per_group(n, sizeof(T), kCoeffGroup);
@@ -356,7 +352,7 @@ class LayerNorm {
     for (Index r0 = 0; r0 < count; r0 += group) {
       const Index m = std::min(group, count - r0);
       row_coeffs(x + r0 * n, n, m, k);
-      const Index ahead = prefetch && group > 1 ? std::min(group, count - r0 - m) : 0;
+      const Index ahead = detail::rows_ahead(prefetch, group, count - r0 - m);
       for (Index i = 0; i < m; ++i) {
         if (i < ahead) detail::prefetch_span(x + (r0 + m + i) * n, n * static_cast<Index>(sizeof(T)));
         if (mean) mean[r0 + i] = k[i].mean;

@@ -353,9 +353,7 @@ class RMSNorm {
     const Index align = xv.row_major ? 1 : L;
     const Index parts = detail::parts_for(device, rows * n, (rows + align - 1) / align, detail::kPartsPerThread);
     const detail::Split split{rows, parts, align};
-    // (16-bit rows are normalized from a widened copy in cache.)
-    const bool ahead = std::is_same<S, T>::value &&
-                       rows * n * static_cast<Index>(sizeof(S)) >= detail::kPrefetchAheadBytes;
+    const bool ahead = detail::prefetch_ahead<S, T>(rows, n);
     if (xv.row_major) {
       detail::run_parts(device, parts, [&](Index p) {
         detail::rows_in_compute_type<T>(xv.data, out, n, split.begin(p), split.begin(p + 1),
@@ -425,9 +423,9 @@ class RMSNorm {
   static constexpr Index kResidentBytes = Index(512) * 1024;
 
   // `count` RowMajor rows of n values; rsave (optional) gets rstd per row.
-  // With `prefetch` (inputs beyond detail::kPrefetchAheadBytes, rows of at
-  // most 8 KB, several to a group), each row of the next group is requested
-  // as a row of this one is normalized, as in LayerNorm's forward.
+  // With `prefetch` (detail::prefetch_ahead), each row of the next group is
+  // requested as a row of this one is normalized (detail::rows_ahead), as in
+  // LayerNorm's forward.
   void forward_rows(const T* x, T* out, Index n, Index count, T* rsave, const T* g, bool prefetch = false) const {
     using namespace Eigen::internal;
     using Packet = typename detail::simd<T>::Packet;
@@ -438,7 +436,7 @@ class RMSNorm {
     for (Index r0 = 0; r0 < count; r0 += group) {
       const Index m = std::min(group, count - r0);
       rows_rstd(x + r0 * n, n, m, rg);
-      const Index ahead = prefetch && group > 1 ? std::min(group, count - r0 - m) : 0;
+      const Index ahead = detail::rows_ahead(prefetch, group, count - r0 - m);
       for (Index k = 0; k < m; ++k) {
         const Index i = r0 + k;
         if (k < ahead) detail::prefetch_span(x + (i + m) * n, n * static_cast<Index>(sizeof(T)));

@@ -280,6 +280,23 @@ constexpr Index kGroupBytes = 16 * 1024;
 /// inputs, which the caches hold between calls, 1.05-1.25x, hence the gate.
 constexpr Index kPrefetchAheadBytes = Index(12) << 20;
 
+/// Whether a forward over `rows` rows of n values stored as S (computed
+/// in T) prefetches ahead: inputs of kPrefetchAheadBytes or more, stored in
+/// the compute type (16-bit rows are normalized from a widened copy that is
+/// already in cache).
+template <typename S, typename T>
+bool prefetch_ahead(Index rows, Index n) {
+  return std::is_same<S, T>::value && rows * n * static_cast<Index>(sizeof(S)) >= kPrefetchAheadBytes;
+}
+
+/// Rows of the next group to prefetch while a group of `group` rows is
+/// normalized (`left`: rows after this group). None for one-row groups:
+/// rows that long are runs the hardware prefetchers follow (4096 floats
+/// took 1.12x the time with the prefetches).
+inline Index rows_ahead(bool prefetch, Index group, Index left) {
+  return prefetch && group > 1 ? std::min(group, left) : 0;
+}
+
 /// Requests the `bytes` bytes at p into the cache (one prefetch per line).
 inline void prefetch_span(const void* p, Index bytes) {
   const char* c = static_cast<const char*>(p);
