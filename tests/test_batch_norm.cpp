@@ -97,6 +97,56 @@ TYPED_TEST(BatchNormTest, TrainingForwardBackwardAllLayouts) {
   check_nchw<TypeParam>(300, 5, 1, 1, 98, 3.0);  // (N, C) with many rows
 }
 
+// Channels-last normalize, bit for bit against channels-first in eval mode
+// (the same running statistics, so the same per-channel constants): every
+// loop applies the same fma(x - pivot, scale, shift) per value, whichever
+// runs. Channels below one packet (scalars), one to eight packets of
+// channels with their constants in registers (with leftover channels or
+// not), more channels two rows per load of the constants on inputs under
+// 12 MB (odd row counts too) and one row at a time above; the pivot's
+// subtraction left out when every pivot is +0, kept when one is not (a
+// large running mean, or zero variance). Inputs hold -0 and 0.
+TYPED_TEST(BatchNormTest, ChannelsLastEvalSameBitsAsChannelsFirst) {
+  using T = TypeParam;
+  const Index big = (Index(12) << 20) / (144 * Index(sizeof(T))) + 3;  // 144 channels, just over 12 MB
+  const std::pair<Index, Index> shapes[] = {{7, 3}, {9, 16}, {9, 21}, {5, 48}, {7, 128}, {7, 131}, {9, 144}, {7, 517}, {big, 144}};
+  unsigned seed = 40;
+  for (const auto& [rows, C] : shapes) {
+    for (bool pivots : {false, true}) {
+      SCOPED_TRACE(::testing::Message() << rows << " rows x " << C << " channels, pivots " << pivots);
+      BatchNorm<T> first{BatchNormOptions(C)}, last{BatchNormOptions(C).channel_axis(-1)};
+      randomize(first, seed++);
+      last.weight() = first.weight();
+      last.bias() = first.bias();
+      const auto m = randn<T>(static_cast<std::size_t>(C), seed++, 0.0, 0.2);
+      for (Index c = 0; c < C; ++c) {
+        T mean = m[static_cast<std::size_t>(c)], var = T(1) + T(c % 5) / 4;
+        if (pivots && c % 3 == 1) mean = T(40) + T(c);  // |mean| * rstd > 1: pivot = mean
+        if (pivots && c == C - 1) var = T(0);  // zero variance: pivot = mean
+        for (auto* b : {&first, &last}) {
+          b->running_mean()(c) = mean;
+          b->running_var()(c) = var;
+        }
+      }
+      first.eval();
+      last.eval();
+      auto xv = randn<T>(static_cast<std::size_t>(rows * C), seed++, 0.3, 2.0);
+      for (std::size_t i = 0; i < xv.size(); i += 7) xv[i] = i % 2 ? T(0) : T(-0.0);
+      std::vector<T> xf(xv.size());  // channels first: (1, C, rows)
+      for (Index r = 0; r < rows; ++r)
+        for (Index c = 0; c < C; ++c) xf[static_cast<std::size_t>(c * rows + r)] = xv[static_cast<std::size_t>(r * C + c)];
+      Eigen::TensorMap<const Eigen::Tensor<T, 2, Eigen::RowMajor>> xl(xv.data(), rows, C);
+      Eigen::TensorMap<const Eigen::Tensor<T, 3, Eigen::RowMajor>> xc(xf.data(), 1, C, rows);
+      const Eigen::Tensor<T, 2, Eigen::RowMajor> yl = last(xl);
+      const Eigen::Tensor<T, 3, Eigen::RowMajor> yc = first(xc);
+      std::vector<T> back(xv.size());
+      for (Index r = 0; r < rows; ++r)
+        for (Index c = 0; c < C; ++c) back[static_cast<std::size_t>(r * C + c)] = yc.data()[c * rows + r];
+      EXPECT_TRUE(bit_equal(yl.data(), back.data(), back.size()));
+    }
+  }
+}
+
 // A one-process reducer: it has nothing to add.
 class NoReducer : public normcore::BatchNormReducer {
  public:

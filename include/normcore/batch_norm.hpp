@@ -12,6 +12,7 @@
 // mode (the running statistics change); eval mode is const in effect.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -556,22 +557,16 @@ class BatchNorm {
       bs[static_cast<std::size_t>(c)] = static_cast<T>(b - static_cast<double>(kc.shift) * g);
     }
     const detail::Split split = segment_split(device, v);
+    // Whether any pivot is other than +0 (x - +0 is x for every x, -0 too).
+    const bool pivots = std::any_of(piv.begin(), piv.end(), [](T p) { return p != T(0) || std::signbit(p); });
+    const bool pairs = v.outer * C * static_cast<Index>(sizeof(T)) < kPairsBelowBytes;
     detail::run_parts(device, split.parts, [&](Index p) {
       const Index s0 = split.begin(p), s1 = split.begin(p + 1);
       if (v.inner == 1) {
-        for (Index o = s0; o < s1; ++o) {
-          const T* xr = x + o * C;
-          T* yr = y + o * C;
-          Index c = 0;
-          for (; c + L <= C; c += L) {
-            const Packet d = psub(ploadu<Packet>(xr + c), ploadu<Packet>(piv.data() + c));
-            pstoreu(yr + c, pmadd(d, ploadu<Packet>(sc.data() + c), ploadu<Packet>(bs.data() + c)));
-          }
-          for (; c < C; ++c) {
-            const std::size_t cc = static_cast<std::size_t>(c);
-            yr[c] = detail::madd(xr[c] - piv[cc], sc[cc], bs[cc]);
-          }
-        }
+        if (pivots)
+          normalize_channels_last<true>(x, y, C, s0, s1, piv.data(), sc.data(), bs.data(), pairs);
+        else
+          normalize_channels_last<false>(x, y, C, s0, s1, piv.data(), sc.data(), bs.data(), pairs);
         return;
       }
       if (v.inner >= L && v.inner < detail::kShortRowPackets * L) {
@@ -589,6 +584,93 @@ class BatchNorm {
         if (++cc == static_cast<std::size_t>(C)) cc = 0;  // no division per segment
       }
     });
+  }
+
+  // Channels-last inputs under this many bytes take two rows per load of the
+  // channel constants (see normalize_channels_last).
+  static constexpr Index kPairsBelowBytes = Index(12) << 20;
+
+  // Channels-last rows [o0, o1) of C values: y = fma(x - piv, sc, bs) per
+  // channel, the same arithmetic per value as every other normalize loop, so
+  // the same bits. (With Pivot false every piv is 0, and x - 0 is x: the
+  // subtraction and its load are left out.)
+  // * Channels that fill at most kRegisterLanePackets whole packets keep
+  //   their constants in registers for all the rows.
+  // * More channels, when `pairs`: two rows per load of a packet's constants.
+  //   Only for inputs the caches hold: on larger ones two read and two write
+  //   streams cost more than the loads they save.
+  // Leftover channels (C mod L) in scalars.
+  template <bool Pivot, int NP>
+  static void normalize_lane_block(const T* x, T* y, Index C, Index o0, Index o1, const T* piv, const T* sc,
+                                   const T* bs) {
+    using namespace Eigen::internal;
+    using Packet = typename detail::simd<T>::Packet;
+    constexpr int L = detail::simd<T>::L;
+    Packet pp[NP], ps[NP], pb[NP];
+    for (int k = 0; k < NP; ++k) {
+      pp[k] = Pivot ? ploadu<Packet>(piv + k * L) : pset1<Packet>(T(0));
+      ps[k] = ploadu<Packet>(sc + k * L);
+      pb[k] = ploadu<Packet>(bs + k * L);
+    }
+    for (Index o = o0; o < o1; ++o) {
+      const T* xr = x + o * C;
+      T* yr = y + o * C;
+      for (int k = 0; k < NP; ++k) {
+        const Packet v = ploadu<Packet>(xr + k * L);
+        pstoreu(yr + k * L, pmadd(Pivot ? psub(v, pp[k]) : v, ps[k], pb[k]));
+      }
+    }
+  }
+  template <bool Pivot, int Rows>
+  static void normalize_lane_rows(const T* x, T* y, Index C, Index o0, Index o1, const T* piv, const T* sc,
+                                  const T* bs) {
+    using namespace Eigen::internal;
+    using Packet = typename detail::simd<T>::Packet;
+    constexpr int L = detail::simd<T>::L;
+    const Index full = C / L * L;
+    for (Index o = o0; o < o1; o += Rows) {
+      const T* xr = x + o * C;
+      T* yr = y + o * C;
+      for (Index c = 0; c < full; c += L) {
+        const Packet pp = Pivot ? ploadu<Packet>(piv + c) : pset1<Packet>(T(0));
+        const Packet ps = ploadu<Packet>(sc + c), pb = ploadu<Packet>(bs + c);
+        for (int r = 0; r < Rows; ++r) {
+          const Packet v = ploadu<Packet>(xr + r * C + c);
+          pstoreu(yr + r * C + c, pmadd(Pivot ? psub(v, pp) : v, ps, pb));
+        }
+      }
+    }
+  }
+  template <bool Pivot>
+  static void normalize_channels_last(const T* x, T* y, Index C, Index o0, Index o1, const T* piv, const T* sc,
+                                      const T* bs, bool pairs) {
+    constexpr int L = detail::simd<T>::L;
+    constexpr int NB = detail::kRegisterLanePackets;
+    constexpr bool wide = NB >= 8;
+    const Index full = C / L * L;
+    if (full > NB * L) {
+      const Index o2 = pairs ? o0 + (o1 - o0) / 2 * 2 : o0;
+      normalize_lane_rows<Pivot, 2>(x, y, C, o0, o2, piv, sc, bs);
+      normalize_lane_rows<Pivot, 1>(x, y, C, o2, o1, piv, sc, bs);
+    } else if (full > 0) {
+      const T *p = piv, *s = sc, *b = bs;
+      switch (full / L) {
+        case 1: normalize_lane_block<Pivot, 1>(x, y, C, o0, o1, p, s, b); break;
+        case 2: normalize_lane_block<Pivot, 2>(x, y, C, o0, o1, p, s, b); break;
+        case 3: normalize_lane_block<Pivot, 3>(x, y, C, o0, o1, p, s, b); break;
+        case 4: normalize_lane_block<Pivot, 4>(x, y, C, o0, o1, p, s, b); break;
+        case 5: normalize_lane_block<Pivot, wide ? 5 : 1>(x, y, C, o0, o1, p, s, b); break;
+        case 6: normalize_lane_block<Pivot, wide ? 6 : 1>(x, y, C, o0, o1, p, s, b); break;
+        case 7: normalize_lane_block<Pivot, wide ? 7 : 1>(x, y, C, o0, o1, p, s, b); break;
+        default: normalize_lane_block<Pivot, wide ? 8 : 1>(x, y, C, o0, o1, p, s, b); break;
+      }
+    }
+    if (full < C)
+      for (Index o = o0; o < o1; ++o)
+        for (Index c = full; c < C; ++c) {
+          const std::size_t cc = static_cast<std::size_t>(c);
+          y[o * C + c] = detail::madd(x[o * C + c] - piv[cc], sc[cc], bs[cc]);
+        }
   }
 
   // Channels-first segments [s0, s1) of `inner` values, L <= inner < 16 L
