@@ -592,7 +592,7 @@ class BatchNorm {
 
   // Channels-last rows [o0, o1) of C values: y = fma(x - piv, sc, bs) per
   // channel, the same arithmetic per value as every other normalize loop, so
-  // the same bits. (With Pivot false every piv is 0, and x - 0 is x: the
+  // the same bits. (With Pivot false every piv is +0, and x - (+0) is x: the
   // subtraction and its load are left out.)
   // * Channels that fill at most kRegisterLanePackets whole packets keep
   //   their constants in registers for all the rows.
@@ -600,6 +600,13 @@ class BatchNorm {
   //   Only for inputs the caches hold: on larger ones two read and two write
   //   streams cost more than the loads they save.
   // Leftover channels (C mod L) in scalars.
+  template <bool Pivot, typename Packet>
+  static EIGEN_ALWAYS_INLINE void normalize_packet(const T* x, T* y, const Packet& pp, const Packet& ps,
+                                                   const Packet& pb) {
+    using namespace Eigen::internal;
+    const Packet v = ploadu<Packet>(x);
+    pstoreu(y, pmadd(Pivot ? psub(v, pp) : v, ps, pb));
+  }
   template <bool Pivot, int NP>
   static void normalize_lane_block(const T* x, T* y, Index C, Index o0, Index o1, const T* piv, const T* sc,
                                    const T* bs) {
@@ -612,14 +619,8 @@ class BatchNorm {
       ps[k] = ploadu<Packet>(sc + k * L);
       pb[k] = ploadu<Packet>(bs + k * L);
     }
-    for (Index o = o0; o < o1; ++o) {
-      const T* xr = x + o * C;
-      T* yr = y + o * C;
-      for (int k = 0; k < NP; ++k) {
-        const Packet v = ploadu<Packet>(xr + k * L);
-        pstoreu(yr + k * L, pmadd(Pivot ? psub(v, pp[k]) : v, ps[k], pb[k]));
-      }
-    }
+    for (Index o = o0; o < o1; ++o)
+      for (int k = 0; k < NP; ++k) normalize_packet<Pivot>(x + o * C + k * L, y + o * C + k * L, pp[k], ps[k], pb[k]);
   }
   template <bool Pivot, int Rows>
   static void normalize_lane_rows(const T* x, T* y, Index C, Index o0, Index o1, const T* piv, const T* sc,
@@ -628,18 +629,12 @@ class BatchNorm {
     using Packet = typename detail::simd<T>::Packet;
     constexpr int L = detail::simd<T>::L;
     const Index full = C / L * L;
-    for (Index o = o0; o < o1; o += Rows) {
-      const T* xr = x + o * C;
-      T* yr = y + o * C;
+    for (Index o = o0; o < o1; o += Rows)
       for (Index c = 0; c < full; c += L) {
         const Packet pp = Pivot ? ploadu<Packet>(piv + c) : pset1<Packet>(T(0));
         const Packet ps = ploadu<Packet>(sc + c), pb = ploadu<Packet>(bs + c);
-        for (int r = 0; r < Rows; ++r) {
-          const Packet v = ploadu<Packet>(xr + r * C + c);
-          pstoreu(yr + r * C + c, pmadd(Pivot ? psub(v, pp) : v, ps, pb));
-        }
+        for (int r = 0; r < Rows; ++r) normalize_packet<Pivot>(x + (o + r) * C + c, y + (o + r) * C + c, pp, ps, pb);
       }
-    }
   }
   template <bool Pivot>
   static void normalize_channels_last(const T* x, T* y, Index C, Index o0, Index o1, const T* piv, const T* sc,
