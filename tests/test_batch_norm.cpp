@@ -102,14 +102,18 @@ TYPED_TEST(BatchNormTest, TrainingForwardBackwardAllLayouts) {
 // loop applies the same fma(x - pivot, scale, shift) per value, whichever
 // runs. Channels below one packet (scalars), one to eight packets of
 // channels with their constants in registers (with leftover channels or
-// not), more channels two rows per load of the constants on inputs under
-// 12 MB (odd row counts too) and one row at a time above; the pivot's
-// subtraction left out when every pivot is +0, kept when one is not (a
-// large running mean, or zero variance). Inputs hold -0 and 0.
+// not), more channels four rows per load of the constants on inputs under
+// 12 MB (row counts not a multiple of four too) and one row at a time
+// above; the pivot's subtraction left out when every pivot is +0, kept when
+// one is not (a large running mean, or zero variance). Inputs hold -0 and 0.
 TYPED_TEST(BatchNormTest, ChannelsLastEvalSameBitsAsChannelsFirst) {
   using T = TypeParam;
   const Index big = (Index(12) << 20) / (144 * Index(sizeof(T))) + 3;  // 144 channels, just over 12 MB
-  const std::pair<Index, Index> shapes[] = {{7, 3}, {9, 16}, {9, 21}, {5, 48}, {7, 128}, {7, 131}, {9, 144}, {7, 517}, {big, 144}};
+  // Channels: whole packets 1 to 8 and the register limit (AVX-512 floats: 16 to 128,
+  // doubles: 8 to 64; SSE2: 4 to 16 floats, 2 to 8 doubles), with leftovers, and beyond.
+  const std::pair<Index, Index> shapes[] = {{7, 3},   {9, 8},   {9, 16},  {9, 21},  {5, 40},  {5, 48},
+                                            {6, 56},  {7, 64},  {7, 80},  {7, 112}, {7, 128}, {7, 131},
+                                            {9, 144}, {8, 144}, {7, 517}, {6, 517}, {big, 144}};
   unsigned seed = 40;
   for (const auto& [rows, C] : shapes) {
     for (bool pivots : {false, true}) {
@@ -123,15 +127,19 @@ TYPED_TEST(BatchNormTest, ChannelsLastEvalSameBitsAsChannelsFirst) {
         T mean = m[static_cast<std::size_t>(c)], var = T(1) + T(c % 5) / 4;
         if (pivots && c % 3 == 1) mean = T(40) + T(c);  // |mean| * rstd > 1: pivot = mean
         if (pivots && c == C - 1) var = T(0);  // zero variance: pivot = mean
+        const bool signed_zeros = !pivots && c == 0;  // mean 0, bias -0: y = -0 exactly where x = -0
+        if (signed_zeros) mean = T(0);
         for (auto* b : {&first, &last}) {
           b->running_mean()(c) = mean;
           b->running_var()(c) = var;
+          if (signed_zeros) b->bias()(c) = T(-0.0);
         }
       }
       first.eval();
       last.eval();
       auto xv = randn<T>(static_cast<std::size_t>(rows * C), seed++, 0.3, 2.0);
       for (std::size_t i = 0; i < xv.size(); i += 7) xv[i] = i % 2 ? T(0) : T(-0.0);
+      for (Index r = 0; r < rows; r += 2) xv[static_cast<std::size_t>(r * C)] = T(-0.0);  // channel 0
       std::vector<T> xf(xv.size());  // channels first: (1, C, rows)
       for (Index r = 0; r < rows; ++r)
         for (Index c = 0; c < C; ++c) xf[static_cast<std::size_t>(c * rows + r)] = xv[static_cast<std::size_t>(r * C + c)];

@@ -515,7 +515,8 @@ namespace detail {
 
 /// Most packets of lanes whose Welford states lane_chunks keeps in registers
 /// for a whole chunk: 8 with 32 vector registers (AVX-512: 128 floats), 4
-/// with 16 (AVX2: 32 floats).
+/// with 16 (AVX2: 32 floats). BatchNorm's channels-last normalize keeps as
+/// many packets of channel constants (three per packet) in registers.
 constexpr int kRegisterLanePackets = EIGEN_ARCH_DEFAULT_NUMBER_OF_REGISTERS >= 32 ? 8 : 4;
 
 /// One chunk of lane_chunks with the states of its NP packets of lanes
