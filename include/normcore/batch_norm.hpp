@@ -644,26 +644,15 @@ class BatchNorm {
   static void normalize_channels_last(const T* x, T* y, Index C, Index o0, Index o1, const T* piv, const T* sc,
                                       const T* bs, bool quads) {
     constexpr int L = detail::simd<T>::L;
-    constexpr int NB = detail::kRegisterLanePackets;
-    static_assert(NB == 4 || NB == 8, "the switch below covers 4 or 8 packets");
-    constexpr bool wide = NB >= 8;
     const Index full = C / L * L;
-    if (full > NB * L) {
+    if (full > detail::kRegisterLanePackets * L) {
       const Index o2 = quads ? o0 + (o1 - o0) / 4 * 4 : o0;
       normalize_lane_rows<Pivot, 4>(x, y, C, o0, o2, piv, sc, bs);
       normalize_lane_rows<Pivot, 1>(x, y, C, o2, o1, piv, sc, bs);
     } else if (full > 0) {
-      const T *p = piv, *s = sc, *b = bs;
-      switch (full / L) {
-        case 1: normalize_lane_block<Pivot, 1>(x, y, C, o0, o1, p, s, b); break;
-        case 2: normalize_lane_block<Pivot, 2>(x, y, C, o0, o1, p, s, b); break;
-        case 3: normalize_lane_block<Pivot, 3>(x, y, C, o0, o1, p, s, b); break;
-        case 4: normalize_lane_block<Pivot, 4>(x, y, C, o0, o1, p, s, b); break;
-        case 5: normalize_lane_block<Pivot, wide ? 5 : 1>(x, y, C, o0, o1, p, s, b); break;
-        case 6: normalize_lane_block<Pivot, wide ? 6 : 1>(x, y, C, o0, o1, p, s, b); break;
-        case 7: normalize_lane_block<Pivot, wide ? 7 : 1>(x, y, C, o0, o1, p, s, b); break;
-        default: normalize_lane_block<Pivot, wide ? 8 : 1>(x, y, C, o0, o1, p, s, b); break;
-      }
+      detail::with_register_packets(static_cast<int>(full / L), [&](auto k) {
+        normalize_lane_block<Pivot, decltype(k)::value>(x, y, C, o0, o1, piv, sc, bs);
+      });
     }
     if (full < C)
       for (Index o = o0; o < o1; ++o)

@@ -549,21 +549,32 @@ void lane_chunk_in_registers(const T* x, Index stride, Index i0, Index iters, co
   }
 }
 
+/// Calls f(std::integral_constant<int, np>()) for a run-time packet count
+/// 1 <= np <= kRegisterLanePackets: the register-resident loops are
+/// templates on their packet count.
+template <typename F>
+void with_register_packets(int np, F&& f) {
+  static_assert(kRegisterLanePackets == 4 || kRegisterLanePackets == 8, "the cases cover 4 or 8 packets");
+  constexpr bool wide = kRegisterLanePackets >= 8;
+  switch (np) {
+    case 1: return f(std::integral_constant<int, 1>());
+    case 2: return f(std::integral_constant<int, 2>());
+    case 3: return f(std::integral_constant<int, 3>());
+    case 4: return f(std::integral_constant<int, 4>());
+    case 5: return f(std::integral_constant<int, wide ? 5 : 1>());
+    case 6: return f(std::integral_constant<int, wide ? 6 : 1>());
+    case 7: return f(std::integral_constant<int, wide ? 7 : 1>());
+    default: return f(std::integral_constant<int, wide ? 8 : 1>());
+  }
+}
+
 /// lane_chunk_in_registers for np packets, 1 <= np <= kRegisterLanePackets.
 template <typename T>
 void lane_chunk_in_registers(int np, const T* x, Index stride, Index i0, Index iters, const T* pivot, T* mean,
                              T* m2) {
-  constexpr bool wide = kRegisterLanePackets >= 8;
-  switch (np) {
-    case 1: return lane_chunk_in_registers<1>(x, stride, i0, iters, pivot, mean, m2);
-    case 2: return lane_chunk_in_registers<2>(x, stride, i0, iters, pivot, mean, m2);
-    case 3: return lane_chunk_in_registers<3>(x, stride, i0, iters, pivot, mean, m2);
-    case 4: return lane_chunk_in_registers<4>(x, stride, i0, iters, pivot, mean, m2);
-    case 5: return lane_chunk_in_registers<wide ? 5 : 1>(x, stride, i0, iters, pivot, mean, m2);
-    case 6: return lane_chunk_in_registers<wide ? 6 : 1>(x, stride, i0, iters, pivot, mean, m2);
-    case 7: return lane_chunk_in_registers<wide ? 7 : 1>(x, stride, i0, iters, pivot, mean, m2);
-    default: return lane_chunk_in_registers<wide ? 8 : 1>(x, stride, i0, iters, pivot, mean, m2);
-  }
+  with_register_packets(np, [&](auto k) {
+    lane_chunk_in_registers<decltype(k)::value>(x, stride, i0, iters, pivot, mean, m2);
+  });
 }
 
 /// One Welford step of lanes [c0, c1) of a row, in scalars (inv = 1 / the
