@@ -254,16 +254,17 @@ TYPED_TEST(LayerNormTest, InPlaceForwardMatchesOutOfPlaceBitForBit) {
   }
 }
 
-// Inputs of normcore::detail::kPrefetchAheadBytes or more take the forward path that
-// prefetches the next group of rows: the same bits as the same rows in
-// calls below the threshold, for short rows (groups of 8) and rows that
-// leave a tail (groups of 4), in place too.
+// Inputs of normcore::detail::kStreamingBytes or more take other forward paths:
+// short rows in groups that prefetch the next group, long rows one at a
+// time. The same bits as the same rows in calls below the threshold (in
+// groups, without prefetch), for short rows (groups of 8) and long rows
+// that leave a tail (groups of 4 below the threshold), in place too.
 TYPED_TEST(LayerNormTest, LargeInputForwardSameBitsAsSmallCalls) {
   using T = TypeParam;
   for (Index n : {Index(64), Index(1000)}) {
     SCOPED_TRACE(::testing::Message() << "n=" << n);
     const Index row_bytes = n * static_cast<Index>(sizeof(T));
-    const Index rows = normcore::detail::kPrefetchAheadBytes / row_bytes + 5;  // a partial last group
+    const Index rows = normcore::detail::kStreamingBytes / row_bytes + 5;  // a partial last group
     LayerNorm<T> ln(LayerNormOptions({n}));
     const auto gv = randn<T>(static_cast<std::size_t>(n), 7, 1.0, 0.5);
     const auto bv = randn<T>(static_cast<std::size_t>(n), 8, 0.0, 0.5);
@@ -275,7 +276,7 @@ TYPED_TEST(LayerNormTest, LargeInputForwardSameBitsAsSmallCalls) {
     NormStats<T> st;
     ln.forward(x, y, st);
     const Index chunk = 1000;  // chunk * row_bytes is far below the threshold
-    ASSERT_LT(chunk * row_bytes, normcore::detail::kPrefetchAheadBytes);
+    ASSERT_LT(chunk * row_bytes, normcore::detail::kStreamingBytes);
     for (Index r0 = 0; r0 < rows; r0 += chunk) {
       const Index m = std::min(chunk, rows - r0);
       Eigen::TensorMap<const Eigen::Tensor<T, 2, Eigen::RowMajor>> xs(buf.data() + r0 * n, m, n);

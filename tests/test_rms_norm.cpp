@@ -180,15 +180,15 @@ TEST(RMSNormErrors, ShapesAndMissingWeight) {
   EXPECT_THROW(plain.backward(ok, ok, nullptr, &dw), std::invalid_argument);
 }
 
-// Inputs of normcore::detail::kPrefetchAheadBytes or more take the forward path that
-// prefetches the next group of rows: the same bits as the same rows in
-// calls below the threshold.
+// Inputs of normcore::detail::kStreamingBytes or more take other forward paths:
+// short rows in groups that prefetch the next group, long rows one at a
+// time. The same bits as the same rows in calls below the threshold.
 TYPED_TEST(RMSNormTest, LargeInputForwardSameBitsAsSmallCalls) {
   using T = TypeParam;
   for (Index n : {Index(64), Index(1000)}) {
     SCOPED_TRACE(::testing::Message() << "n=" << n);
     const Index row_bytes = n * static_cast<Index>(sizeof(T));
-    const Index rows = normcore::detail::kPrefetchAheadBytes / row_bytes + 5;
+    const Index rows = normcore::detail::kStreamingBytes / row_bytes + 5;
     RMSNorm<T> rn(RMSNormOptions({n}));
     const auto gv = randn<T>(static_cast<std::size_t>(n), 7, 1.0, 0.5);
     std::copy(gv.begin(), gv.end(), rn.weight().data());
@@ -197,7 +197,7 @@ TYPED_TEST(RMSNormTest, LargeInputForwardSameBitsAsSmallCalls) {
     Eigen::Tensor<T, 2, Eigen::RowMajor> y(rows, n);
     rn.forward(x, y);
     const Index chunk = 1000;
-    ASSERT_LT(chunk * row_bytes, normcore::detail::kPrefetchAheadBytes);
+    ASSERT_LT(chunk * row_bytes, normcore::detail::kStreamingBytes);
     for (Index r0 = 0; r0 < rows; r0 += chunk) {
       const Index m = std::min(chunk, rows - r0);
       Eigen::TensorMap<const Eigen::Tensor<T, 2, Eigen::RowMajor>> xs(buf.data() + r0 * n, m, n);

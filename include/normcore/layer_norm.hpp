@@ -320,7 +320,7 @@ class LayerNorm {
     const Index align = xv.row_major ? 1 : L;
     const Index parts = detail::parts_for(device, rows * n, (rows + align - 1) / align, detail::kPartsPerThread);
     const detail::Split split{rows, parts, align};
-    const bool ahead = detail::prefetch_ahead<S, T>(rows, n);
+    const bool streaming = detail::streaming_input<S, T>(rows, n);
     if (xv.row_major) {
       detail::run_parts(device, parts, [&](Index p) {
         // 16-bit rows: widened a block at a time, normalized in float,
@@ -328,7 +328,7 @@ class LayerNorm {
         detail::rows_in_compute_type<T>(xv.data, out, n, split.begin(p), split.begin(p + 1),
                                         [&](const T* xb, T* yb, Index m, Index r0) {
                                           forward_rows(xb, yb, n, m, mean ? mean + r0 : nullptr,
-                                                       rstd ? rstd + r0 : nullptr, prm.gamma, prm.beta, ahead);
+                                                       rstd ? rstd + r0 : nullptr, prm.gamma, prm.beta, streaming);
                                         });
       });
     } else if constexpr (std::is_same<S, T>::value) {
@@ -342,17 +342,19 @@ class LayerNorm {
   // `count` rows of n contiguous values; mean/rstd (optional) per row.
   // Statistics for a group of rows (up to kCoeffGroup, at most
   // detail::kGroupBytes), then their normalization while the group is
-  // still in L1. With `prefetch` (detail::prefetch_ahead) each row of the
-  // next group is requested as a row of this one is normalized
-  // (detail::rows_ahead: not for one-row groups).
+  // still in L1. On `streaming` inputs (detail::streaming_input) long rows
+  // go one at a time, and each row of the next group of short rows is
+  // requested as a row of this one is normalized (detail::forward_group,
+  // detail::rows_ahead).
   void forward_rows(const T* x, T* out, Index n, Index count, T* mean, T* rstd, const T* g,
-                    const T* b, bool prefetch = false) const {
-    const Index group = detail::rows_per_group(n, sizeof(T), kCoeffGroup);
+                    const T* b, bool streaming = false) const {
+    const Index group =
+        detail::forward_group(streaming, n, sizeof(T), kCoeffGroup, detail::kShortMomentsValues<T>);
     detail::NormCoeffs<T> k[kCoeffGroup];
     for (Index r0 = 0; r0 < count; r0 += group) {
       const Index m = std::min(group, count - r0);
       row_coeffs(x + r0 * n, n, m, k);
-      const Index ahead = detail::rows_ahead(prefetch, group, count - r0 - m);
+      const Index ahead = detail::rows_ahead(streaming, group, count - r0 - m);
       for (Index i = 0; i < m; ++i) {
         if (i < ahead) detail::prefetch_span(x + (r0 + m + i) * n, n * static_cast<Index>(sizeof(T)));
         if (mean) mean[r0 + i] = k[i].mean;

@@ -353,12 +353,12 @@ class RMSNorm {
     const Index align = xv.row_major ? 1 : L;
     const Index parts = detail::parts_for(device, rows * n, (rows + align - 1) / align, detail::kPartsPerThread);
     const detail::Split split{rows, parts, align};
-    const bool ahead = detail::prefetch_ahead<S, T>(rows, n);
+    const bool streaming = detail::streaming_input<S, T>(rows, n);
     if (xv.row_major) {
       detail::run_parts(device, parts, [&](Index p) {
         detail::rows_in_compute_type<T>(xv.data, out, n, split.begin(p), split.begin(p + 1),
                                         [&](const T* xb, T* yb, Index m, Index r0) {
-                                          forward_rows(xb, yb, n, m, rsave ? rsave + r0 : nullptr, prm.gamma, ahead);
+                                          forward_rows(xb, yb, n, m, rsave ? rsave + r0 : nullptr, prm.gamma, streaming);
                                         });
       });
       return;
@@ -423,20 +423,22 @@ class RMSNorm {
   static constexpr Index kResidentBytes = Index(512) * 1024;
 
   // `count` RowMajor rows of n values; rsave (optional) gets rstd per row.
-  // With `prefetch` (detail::prefetch_ahead), each row of the next group is
-  // requested as a row of this one is normalized (detail::rows_ahead), as in
-  // LayerNorm's forward.
-  void forward_rows(const T* x, T* out, Index n, Index count, T* rsave, const T* g, bool prefetch = false) const {
+  // On `streaming` inputs (detail::streaming_input) long rows go one at a
+  // time, and each row of the next group of short rows is requested as a
+  // row of this one is normalized (detail::forward_group,
+  // detail::rows_ahead), as in LayerNorm's forward.
+  void forward_rows(const T* x, T* out, Index n, Index count, T* rsave, const T* g, bool streaming = false) const {
     using namespace Eigen::internal;
     using Packet = typename detail::simd<T>::Packet;
     constexpr int L = detail::simd<T>::L;
     const bool resident = count * n * static_cast<Index>(sizeof(T)) <= kResidentBytes;
-    const Index group = detail::rows_per_group(n, sizeof(T), resident ? kResidentGroup : kRstdGroup);
+    const Index group = detail::forward_group(streaming, n, sizeof(T), resident ? kResidentGroup : kRstdGroup,
+                                              detail::kShortRowPackets * L);
     W rg[kResidentGroup];
     for (Index r0 = 0; r0 < count; r0 += group) {
       const Index m = std::min(group, count - r0);
       rows_rstd(x + r0 * n, n, m, rg);
-      const Index ahead = detail::rows_ahead(prefetch, group, count - r0 - m);
+      const Index ahead = detail::rows_ahead(streaming, group, count - r0 - m);
       for (Index k = 0; k < m; ++k) {
         const Index i = r0 + k;
         if (k < ahead) detail::prefetch_span(x + (i + m) * n, n * static_cast<Index>(sizeof(T)));
