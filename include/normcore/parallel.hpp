@@ -187,6 +187,7 @@ void run_parts(const Device& d, Index parts, F&& fn) {
 struct Split {
   Index n, parts, align;
   Index begin(Index p) const {
+    if (p <= 0) return 0;  // no division on the one-part path
     if (p >= parts) return n;
     const Index units = (n + align - 1) / align;
     return std::min(n, (units * p / parts) * align);

@@ -39,6 +39,10 @@ constexpr Index kInvSqrtGroup = 8;
 /// 256 bits (narrow_simd): Eigen's AVX-512 double psqrt is an approximation.
 inline void inv_sqrt_eps(const double* v, double eps, Index count, double* r) {
   using namespace Eigen::internal;
+  if (count == 1) {  // one row: a scalar sqrt and division, the same bits sooner
+    r[0] = 1.0 / std::sqrt(v[0] + eps);
+    return;
+  }
   using PD = typename narrow_simd<double>::Packet;
   constexpr int LD = narrow_simd<double>::L;
   static_assert(kInvSqrtGroup % LD == 0, "a group is whole double packets");
