@@ -396,3 +396,89 @@ TEST(Fused, BackwardAddNeedsDx) {
 }
 
 }  // namespace
+
+namespace {
+
+// forward_add on an input of normcore::detail::kStreamingBytes or more, with
+// rows long enough for the row-at-a-time path (mixed.hpp, fused_add_norm):
+// h and y must be the bits of h0 = x + r and of the plain forward on h0
+// (itself checked against calls below the threshold in test_layer_norm and
+// test_rms_norm), with the statistics, whichever stores each output takes:
+// streaming (separate aligned tensors), ordinary (an output one element off
+// alignment, or h over the residual) or the blocks (h over r and y over x).
+// Rows of 1024 values are whole packets on every ISA; rows of 1000 are not
+// with AVX-512 (no streaming stores), and leave a tail.
+template <typename T, typename Layer>
+void check_large_fused(Layer& layer, Index n, bool with_mean) {
+  SCOPED_TRACE(::testing::Message() << "n=" << n << (with_mean ? " LayerNorm" : " RMSNorm"));
+  using Map = Eigen::TensorMap<Eigen::Tensor<T, 2, Eigen::RowMajor>>;
+  using CMap = Eigen::TensorMap<const Eigen::Tensor<T, 2, Eigen::RowMajor>>;
+  const Index rows = normcore::detail::kStreamingBytes / (n * static_cast<Index>(sizeof(T))) + 3;
+  const auto N = static_cast<std::size_t>(rows * n);
+  const auto xv = randn<T>(N, 81, 0.5, 2.0);
+  const auto rv = randn<T>(N, 82, -1.0, 3.0);
+  CMap x(xv.data(), rows, n), r(rv.data(), rows, n);
+  Eigen::Tensor<T, 2, Eigen::RowMajor> h0 = x + r;
+  Eigen::Tensor<T, 2, Eigen::RowMajor> y0(rows, n);
+  normcore::NormStats<T> s0;
+  layer.forward(h0, y0, s0);
+  const auto check = [&](const char* what, const T* h, const T* y, const normcore::NormStats<T>& s) {
+    SCOPED_TRACE(what);
+    EXPECT_TRUE(bit_equal(h, h0.data(), N));
+    EXPECT_TRUE(bit_equal(y, y0.data(), N));
+    EXPECT_TRUE(bit_equal(s.rstd.data(), s0.rstd.data(), static_cast<std::size_t>(rows)));
+    if (with_mean) {
+      EXPECT_TRUE(bit_equal(s.mean.data(), s0.mean.data(), static_cast<std::size_t>(rows)));
+    }
+  };
+  // Two buffers with room for an output one element off alignment.
+  std::vector<T, Eigen::aligned_allocator<T>> hb(N + 1), yb(N + 1);
+  normcore::NormStats<T> s;
+  for (int h_off = 0; h_off < 2; ++h_off) {
+    for (int y_off = 0; y_off < 2; ++y_off) {
+      Map h(hb.data() + h_off, rows, n), y(yb.data() + y_off, rows, n);
+      layer.forward_add(x, r, h, y, &s);
+      check(h_off ? (y_off ? "both off alignment" : "h off alignment") : (y_off ? "y off alignment" : "aligned"),
+            h.data(), y.data(), s);
+    }
+  }
+  Eigen::ThreadPool pool(2);
+  Eigen::ThreadPoolDevice dev(&pool, 2);
+  Map h(hb.data(), rows, n), y(yb.data(), rows, n);
+  layer.forward_add(dev, x, r, h, y, &s);
+  check("2 threads", h.data(), y.data(), s);
+  // h over the residual (h's stores ordinary, y's streaming), then y over x
+  // as well (the blocks).
+  auto rw = rv;
+  Map rm(rw.data(), rows, n);
+  layer.forward_add(x, rm, rm, y, &s);
+  check("h over r", rw.data(), y.data(), s);
+  auto xw = xv;
+  rw = rv;
+  Map xm(xw.data(), rows, n);
+  rm = Map(rw.data(), rows, n);
+  layer.forward_add(xm, rm, rm, xm, &s);
+  check("h over r, y over x", rw.data(), xw.data(), s);
+}
+
+template <typename T>
+class FusedLarge : public ::testing::Test {};
+using FusedTypes = ::testing::Types<float, double>;
+TYPED_TEST_SUITE(FusedLarge, FusedTypes);
+
+TYPED_TEST(FusedLarge, StreamingInputsGiveTheBitsOfAddThenNorm) {
+  using T = TypeParam;
+  for (const Index n : {Index(1024), Index(1000)}) {
+    normcore::LayerNorm<T> ln(normcore::LayerNormOptions({n}));
+    const auto gv = randn<T>(static_cast<std::size_t>(n), 83, 1.0, 0.5);
+    const auto bv = randn<T>(static_cast<std::size_t>(n), 84, 0.0, 0.5);
+    std::copy(gv.begin(), gv.end(), ln.weight().data());
+    std::copy(bv.begin(), bv.end(), ln.bias().data());
+    check_large_fused<T>(ln, n, true);
+    normcore::RMSNorm<T> rn(normcore::RMSNormOptions({n}));
+    std::copy(gv.begin(), gv.end(), rn.weight().data());
+    check_large_fused<T>(rn, n, false);
+  }
+}
+
+}  // namespace

@@ -185,7 +185,7 @@ TEST(RMSNormErrors, ShapesAndMissingWeight) {
 // time. The same bits as the same rows in calls below the threshold.
 TYPED_TEST(RMSNormTest, LargeInputForwardSameBitsAsSmallCalls) {
   using T = TypeParam;
-  for (Index n : {Index(64), Index(1000)}) {
+  for (Index n : {Index(64), Index(1000), Index(1024)}) {
     SCOPED_TRACE(::testing::Message() << "n=" << n);
     const Index row_bytes = n * static_cast<Index>(sizeof(T));
     const Index rows = normcore::detail::kStreamingBytes / row_bytes + 5;

@@ -250,6 +250,13 @@ class LayerNorm {
                                           st ? st->mean.data() + r0 : nullptr,
                                           st ? st->rstd.data() + r0 : nullptr, prm.gamma, prm.beta);
                            },
+                           detail::kShortMomentsValues<T>,
+                           [&](const T* xb, const T* rb, T* hb, T* yb, Index count, Index r0, NormStats<T>* st,
+                               const detail::ParamPtrs<T>& prm, auto stream_h, auto stream_y) {
+                             forward_add_rows<decltype(stream_h)::value, decltype(stream_y)::value>(
+                                 xb, rb, hb, yb, size_, count, st ? st->mean.data() + r0 : nullptr,
+                                 st ? st->rstd.data() + r0 : nullptr, prm.gamma, prm.beta);
+                           },
                            detail::param_ptrs<T>(weight_, bias_), true);
   }
 
@@ -343,14 +350,16 @@ class LayerNorm {
   // Statistics for a group of rows (up to kCoeffGroup, at most
   // detail::kGroupBytes), then their normalization while the group is
   // still in L1. On `streaming` inputs (detail::streaming_input) long rows
-  // go one at a time, and each row of the next group of short rows is
+  // go one at a time, each row of the next group of short rows is
   // requested as a row of this one is normalized (detail::forward_group,
-  // detail::rows_ahead).
+  // detail::rows_ahead), and the output takes streaming stores when it
+  // can (detail::can_stream_rows).
   void forward_rows(const T* x, T* out, Index n, Index count, T* mean, T* rstd, const T* g,
                     const T* b, bool streaming = false) const {
     const Index group =
         detail::forward_group(streaming, n, sizeof(T), kCoeffGroup, detail::kShortMomentsValues<T>);
     detail::NormCoeffs<T> k[kCoeffGroup];
+    const bool stream = streaming && detail::can_stream_rows(x, out, n, count);
     for (Index r0 = 0; r0 < count; r0 += group) {
       const Index m = std::min(group, count - r0);
       row_coeffs(x + r0 * n, n, m, k);
@@ -359,9 +368,15 @@ class LayerNorm {
         if (i < ahead) detail::prefetch_span(x + (r0 + m + i) * n, n * static_cast<Index>(sizeof(T)));
         if (mean) mean[r0 + i] = k[i].mean;
         if (rstd) rstd[r0 + i] = k[i].rstd;
-        detail::normalize_span(x + (r0 + i) * n, out + (r0 + i) * n, n, k[i], g, b);
+        const detail::RowValues<T> row{x + (r0 + i) * n};
+        if (stream) {
+          detail::normalize_values<true>(row, out + (r0 + i) * n, n, k[i], g, b);
+        } else {
+          detail::normalize_values(row, out + (r0 + i) * n, n, k[i], g, b);
+        }
       }
     }
+    if (stream) detail::stream_fence();
   }
 
   // Normalization coefficients of count <= kCoeffGroup contiguous rows of
@@ -370,19 +385,58 @@ class LayerNorm {
   // for bit.
   static constexpr Index kCoeffGroup = 8;
   void row_coeffs(const T* x, Index n, Index count, detail::NormCoeffs<T>* k) const {
+    Welford<double> w[kCoeffGroup];
+    T pivot[kCoeffGroup];
+    rows_moments(x, n, n, count, w);
+    for (Index i = 0; i < count; ++i) pivot[i] = x[i * n];
+    coeffs_from_moments(x, n, count, pivot, w, k);
+  }
+  // row_coeffs from the rows' moments w (shifted by pivot[i], their first
+  // values); x is read again only for rows whose moments left T's range.
+  void coeffs_from_moments(const T* x, Index n, Index count, const T* pivot, Welford<double>* w,
+                           detail::NormCoeffs<T>* k) const {
     const double eps = options_.eps();
     static_assert(kCoeffGroup <= detail::kInvSqrtGroup, "one inv_sqrt_eps per group");
-    Welford<double> w[kCoeffGroup];
     double var[kCoeffGroup];
     double r[kCoeffGroup];
-    rows_moments(x, n, n, count, w);
     for (Index i = 0; i < count; ++i) {
       const T* xr = x + i * n;
-      if (detail::needs_exact_moments(w[i], xr, n, 1, eps)) w[i] = exact_moments(xr, n, 1, xr[0]);
+      if (detail::needs_exact_moments(w[i], xr, n, 1, eps)) w[i] = exact_moments(xr, n, 1, pivot[i]);
       var[i] = w[i].variance();
     }
     detail::inv_sqrt_eps(var, eps, count, r);
-    for (Index i = 0; i < count; ++i) k[i] = detail::norm_coeffs_r<T>(x[i * n], w[i].mean(), var[i], r[i]);
+    for (Index i = 0; i < count; ++i) k[i] = detail::norm_coeffs_r<T>(pivot[i], w[i].mean(), var[i], r[i]);
+  }
+
+  // forward_add's rows on streaming inputs (detail::fused_add_norm's first
+  // path), one at a time: the statistics pass stores h = x + r as it reads
+  // it (StreamH: streaming stores), then the row is normalized from h, in
+  // L1, or, with StreamH, from x + r made again (the same bits). StreamY:
+  // streaming stores for y. The same statistics and bits as forward_rows
+  // on h.
+  template <bool StreamH, bool StreamY>
+  void forward_add_rows(const T* x, const T* r, T* h, T* out, Index n, Index count, T* mean, T* rstd,
+                        const T* g, const T* b) const {
+    constexpr int L = detail::simd<T>::L;
+    const Index full = n / L * L;
+    for (Index i = 0; i < count; ++i) {
+      const T* xr = x + i * n;
+      const T* rr = r + i * n;
+      T* hr = h + i * n;
+      T* yr = out + i * n;
+      const T pivot = xr[0] + rr[0];
+      Welford<double> w = detail::moments_of(detail::AddStoreValues<T, StreamH>{xr, rr, hr}, n, pivot);
+      for (Index j = full; j < n; ++j) hr[j] = xr[j] + rr[j];
+      detail::NormCoeffs<T> k;
+      coeffs_from_moments(hr, n, 1, &pivot, &w, &k);
+      if (mean) mean[i] = k.mean;
+      if (rstd) rstd[i] = k.rstd;
+      if constexpr (StreamH) {
+        detail::normalize_values<StreamY>(detail::SumValues<T>{xr, rr}, yr, n, k, g, b);
+      } else {
+        detail::normalize_values<StreamY>(detail::RowValues<T>{hr}, yr, n, k, g, b);
+      }
+    }
   }
 
   // Checks the backward's arguments and takes views; 16-bit ColMajor data

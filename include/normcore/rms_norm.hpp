@@ -214,6 +214,12 @@ class RMSNorm {
                                const detail::ParamPtrs<T>& prm) {
                              forward_rows(xb, yb, size_, count, st ? st->rstd.data() + r0 : nullptr, prm.gamma);
                            },
+                           detail::kShortRowPackets * detail::simd<T>::L,
+                           [&](const T* xb, const T* rb, T* hb, T* yb, Index count, Index r0, NormStats<T>* st,
+                               const detail::ParamPtrs<T>& prm, auto stream_h, auto stream_y) {
+                             forward_add_rows<decltype(stream_h)::value, decltype(stream_y)::value>(
+                                 xb, rb, hb, yb, size_, count, st ? st->rstd.data() + r0 : nullptr, prm.gamma);
+                           },
                            detail::param_ptrs<T>(weight_, Eigen::Tensor<P, 1>()), false);
   }
 
@@ -313,6 +319,19 @@ class RMSNorm {
       }
       for (Index i = 0; i < m; ++i) r[r0 + i] = detail::rms_rstd(x + (r0 + i) * n, n, 1, ss[i], eps_);
     }
+  }
+  // rows_rstd of one row from its sum of squares ss; x is read again only
+  // when ss left T's range.
+  W rstd_from_sum(const T* x, Index n, double ss) const {
+    if constexpr (std::is_same<W, double>::value) {
+      if (detail::rms_sum_in_range<T>(ss)) {
+        const double ms = ss / static_cast<double>(n);
+        W r;
+        detail::inv_sqrt_eps(&ms, eps_, 1, &r);
+        return r;
+      }
+    }
+    return detail::rms_rstd(x, n, 1, ss, eps_);
   }
   W row_rstd(const T* xr, Index n) const {
     W r;
@@ -424,17 +443,17 @@ class RMSNorm {
 
   // `count` RowMajor rows of n values; rsave (optional) gets rstd per row.
   // On `streaming` inputs (detail::streaming_input) long rows go one at a
-  // time, and each row of the next group of short rows is requested as a
-  // row of this one is normalized (detail::forward_group,
-  // detail::rows_ahead), as in LayerNorm's forward.
+  // time, each row of the next group of short rows is requested as a row
+  // of this one is normalized (detail::forward_group, detail::rows_ahead),
+  // and the output takes streaming stores when it can
+  // (detail::can_stream_rows), as in LayerNorm's forward.
   void forward_rows(const T* x, T* out, Index n, Index count, T* rsave, const T* g, bool streaming = false) const {
-    using namespace Eigen::internal;
-    using Packet = typename detail::simd<T>::Packet;
     constexpr int L = detail::simd<T>::L;
     const bool resident = count * n * static_cast<Index>(sizeof(T)) <= kResidentBytes;
     const Index group = detail::forward_group(streaming, n, sizeof(T), resident ? kResidentGroup : kRstdGroup,
                                               detail::kShortRowPackets * L);
     W rg[kResidentGroup];
+    const bool stream = streaming && detail::can_stream_rows(x, out, n, count);
     for (Index r0 = 0; r0 < count; r0 += group) {
       const Index m = std::min(group, count - r0);
       rows_rstd(x + r0 * n, n, m, rg);
@@ -442,29 +461,69 @@ class RMSNorm {
       for (Index k = 0; k < m; ++k) {
         const Index i = r0 + k;
         if (k < ahead) detail::prefetch_span(x + (i + m) * n, n * static_cast<Index>(sizeof(T)));
-        const T* xr = x + i * n;
-        T* yr = out + i * n;
         const W ri = rg[k];
         if (rsave) rsave[i] = static_cast<T>(ri);
-        if (!detail::normal_in<T>(ri)) {  // exact scalar path in long double
-          for (Index j = 0; j < n; ++j) {
-            long double v = static_cast<long double>(xr[j]) * ri;
-            if (g) v *= static_cast<long double>(g[j]);
-            yr[j] = static_cast<T>(v);
-          }
-          continue;
-        }
-        const T rt = static_cast<T>(ri);
-        const Packet pr = pset1<Packet>(rt);
-        Index j = 0;
-        if (g) {
-          for (; j + L <= n; j += L)
-            pstoreu(yr + j, pmul(pmul(ploadu<Packet>(xr + j), pr), ploadu<Packet>(g + j)));
-          for (; j < n; ++j) yr[j] = xr[j] * rt * g[j];
+        const detail::RowValues<T> row{x + i * n};
+        if (stream) {
+          scale_values<true>(row, out + i * n, n, ri, g);
         } else {
-          for (; j + L <= n; j += L) pstoreu(yr + j, pmul(ploadu<Packet>(xr + j), pr));
-          for (; j < n; ++j) yr[j] = xr[j] * rt;
+          scale_values<false>(row, out + i * n, n, ri, g);
         }
+      }
+    }
+    if (stream) detail::stream_fence();
+  }
+
+  // y = x * rstd (* g) for the n values of a source (statistics.hpp,
+  // RowValues); Stream: streaming stores (detail::can_stream_rows).
+  template <bool Stream, typename Src>
+  static EIGEN_ALWAYS_INLINE void scale_values(const Src src, T* yr, Index n, W ri, const T* g) {
+    using namespace Eigen::internal;
+    using Packet = typename detail::simd<T>::Packet;
+    constexpr int L = detail::simd<T>::L;
+    if (!detail::normal_in<T>(ri)) {  // exact scalar path in long double
+      for (Index j = 0; j < n; ++j) {
+        long double v = static_cast<long double>(src.value(j)) * ri;
+        if (g) v *= static_cast<long double>(g[j]);
+        yr[j] = static_cast<T>(v);
+      }
+      return;
+    }
+    const T rt = static_cast<T>(ri);
+    const Packet pr = pset1<Packet>(rt);
+    Index j = 0;
+    if (g) {
+      for (; j + L <= n; j += L)
+        detail::store_packet<Stream>(yr + j, pmul(pmul(src.template packet<Packet>(j), pr), ploadu<Packet>(g + j)));
+      for (; j < n; ++j) yr[j] = src.value(j) * rt * g[j];
+    } else {
+      for (; j + L <= n; j += L) detail::store_packet<Stream>(yr + j, pmul(src.template packet<Packet>(j), pr));
+      for (; j < n; ++j) yr[j] = src.value(j) * rt;
+    }
+  }
+
+  // forward_add's rows on streaming inputs (detail::fused_add_norm's first
+  // path), one at a time, as LayerNorm::forward_add_rows: the sum of
+  // squares pass stores h = x + r as it reads it, then the row is scaled
+  // from h (in L1) or, with StreamH, from x + r made again. The same bits as
+  // forward_rows on h.
+  template <bool StreamH, bool StreamY>
+  void forward_add_rows(const T* x, const T* r, T* h, T* out, Index n, Index count, T* rsave, const T* g) const {
+    constexpr int L = detail::simd<T>::L;
+    const Index full = n / L * L;
+    for (Index i = 0; i < count; ++i) {
+      const T* xr = x + i * n;
+      const T* rr = r + i * n;
+      T* hr = h + i * n;
+      T* yr = out + i * n;
+      const double ss = detail::sum_squares_of<T>(detail::AddStoreValues<T, StreamH>{xr, rr, hr}, n);
+      for (Index j = full; j < n; ++j) hr[j] = xr[j] + rr[j];
+      const W ri = rstd_from_sum(hr, n, ss);
+      if (rsave) rsave[i] = static_cast<T>(ri);
+      if constexpr (StreamH) {
+        scale_values<StreamY>(detail::SumValues<T>{xr, rr}, yr, n, ri, g);
+      } else {
+        scale_values<StreamY>(detail::RowValues<T>{hr}, yr, n, ri, g);
       }
     }
   }

@@ -157,8 +157,28 @@ Welford<double> merge_equal(const T* mean, const T* m2, double k) {
 
 namespace detail {
 
-template <typename T, int A>
-Welford<double> row_moments_acc(const T* x, Index n, T pivot) {
+/// Where the long-row kernels (row_moments_acc, sum_squares_of, the
+/// normalize loops) read a row's values: a row in memory (RowValues), or
+/// values made as they are read (mixed.hpp: x + residual for the fused
+/// residual norms). packet(i) gives the L values from i; value(j) one value
+/// (the row's last n mod L values). A source returns the same bits for a
+/// value whether it is read in a packet or alone.
+template <typename T>
+struct RowValues {
+  const T* x;
+  template <typename Packet>
+  EIGEN_ALWAYS_INLINE Packet packet(Index i) const {
+    return Eigen::internal::ploadu<Packet>(x + i);
+  }
+  template <typename Packet, typename Mask>
+  EIGEN_ALWAYS_INLINE Packet packet(Index i, Mask m) const {
+    return Eigen::internal::ploadu<Packet>(x + i, m);
+  }
+  EIGEN_ALWAYS_INLINE T value(Index j) const { return x[j]; }
+};
+
+template <typename T, int A, typename Src>
+Welford<double> row_moments_acc(const Src src, Index n, T pivot) {
   using namespace Eigen::internal;
   using S = detail::simd<T>;
   using Packet = typename S::Packet;
@@ -173,16 +193,28 @@ Welford<double> row_moments_acc(const T* x, Index n, T pivot) {
   // than A) take one more update, one per accumulator (see `last` below).
   do {
     const Index iters = std::min<Index>((packets - p) / A, detail::kChunk);
+    // The loop keeps its states in mu and q, which only the unrolled `a`
+    // indexes, so they stay in registers even when the source stores (the
+    // fused residual add); mean and m2, which the leftover loop below
+    // indexes at run time, live in memory.
     Packet mean[A];
     Packet m2[A];
-    for (int a = 0; a < A; ++a) mean[a] = m2[a] = pset1<Packet>(T(0));
-    for (Index it = 1; it <= iters; ++it, p += A) {
-      const Packet inv = pset1<Packet>(recip[static_cast<std::size_t>(it)]);
+    {
+      Packet mu[A];
+      Packet q[A];
+      for (int a = 0; a < A; ++a) mu[a] = q[a] = pset1<Packet>(T(0));
+      for (Index it = 1; it <= iters; ++it, p += A) {
+        const Packet inv = pset1<Packet>(recip[static_cast<std::size_t>(it)]);
+        for (int a = 0; a < A; ++a) {
+          const Packet d = psub(src.template packet<Packet>((p + a) * L), pv);
+          const Packet delta = psub(d, mu[a]);
+          mu[a] = pmadd(delta, inv, mu[a]);
+          q[a] = pmadd(delta, psub(d, mu[a]), q[a]);
+        }
+      }
       for (int a = 0; a < A; ++a) {
-        const Packet d = psub(ploadu<Packet>(x + (p + a) * L), pv);
-        const Packet delta = psub(d, mean[a]);
-        mean[a] = pmadd(delta, inv, mean[a]);
-        m2[a] = pmadd(delta, psub(d, mean[a]), m2[a]);
+        mean[a] = mu[a];
+        m2[a] = q[a];
       }
     }
     T count[A];
@@ -194,7 +226,7 @@ Welford<double> row_moments_acc(const T* x, Index n, T pivot) {
     if (last && p < packets) {
       const Packet inv = pset1<Packet>(recip[static_cast<std::size_t>(iters + 1)]);
       for (int a = 0; p < packets; ++a, ++p) {
-        const Packet d = psub(ploadu<Packet>(x + p * L), pv);
+        const Packet d = psub(src.template packet<Packet>(p * L), pv);
         const Packet delta = psub(d, mean[a]);
         mean[a] = pmadd(delta, inv, mean[a]);
         m2[a] = pmadd(delta, psub(d, mean[a]), m2[a]);
@@ -224,16 +256,27 @@ Welford<double> row_moments_acc(const T* x, Index n, T pivot) {
   const Index rest = n - full;
   if (rest > 0) {
     double sum = 0;
-    for (Index j = full; j < n; ++j) sum += static_cast<double>(x[j]) - static_cast<double>(pivot);
+    for (Index j = full; j < n; ++j) sum += static_cast<double>(src.value(j)) - static_cast<double>(pivot);
     const double m = sum / static_cast<double>(rest);
     double q = 0;
     for (Index j = full; j < n; ++j) {
-      const double d = static_cast<double>(x[j]) - static_cast<double>(pivot) - m;
+      const double d = static_cast<double>(src.value(j)) - static_cast<double>(pivot) - m;
       q += d * d;
     }
     total.merge(Welford<double>(static_cast<double>(rest), m, q));
   }
   return total;
+}
+
+/// row_moments of the values a source gives (RowValues: a row in memory).
+template <typename T, typename Src>
+Welford<double> moments_of(const Src src, Index n, T pivot) {
+  constexpr int L = detail::simd<T>::L;
+  constexpr int A = detail::simd<T>::A;
+  if (A >= 8 && n >= 8 * 4 * L) return detail::row_moments_acc<T, (A >= 8 ? 8 : 1)>(src, n, pivot);
+  if (A >= 4 && n >= 4 * 4 * L) return detail::row_moments_acc<T, (A >= 4 ? 4 : 1)>(src, n, pivot);
+  if (A >= 2 && n >= 2 * 4 * L) return detail::row_moments_acc<T, 2>(src, n, pivot);
+  return detail::row_moments_acc<T, 1>(src, n, pivot);
 }
 
 }  // namespace detail
@@ -245,12 +288,7 @@ Welford<double> row_moments_acc(const T* x, Index n, T pivot) {
 /// rows do not pay for merging lanes that saw one value each.
 template <typename T>
 Welford<double> row_moments(const T* x, Index n, T pivot) {
-  constexpr int L = detail::simd<T>::L;
-  constexpr int A = detail::simd<T>::A;
-  if (A >= 8 && n >= 8 * 4 * L) return detail::row_moments_acc<T, (A >= 8 ? 8 : 1)>(x, n, pivot);
-  if (A >= 4 && n >= 4 * 4 * L) return detail::row_moments_acc<T, (A >= 4 ? 4 : 1)>(x, n, pivot);
-  if (A >= 2 && n >= 2 * 4 * L) return detail::row_moments_acc<T, 2>(x, n, pivot);
-  return detail::row_moments_acc<T, 1>(x, n, pivot);
+  return detail::moments_of(detail::RowValues<T>{x}, n, pivot);
 }
 
 namespace detail {
@@ -710,12 +748,11 @@ void lane_moments(const T* x, Index stride, Index count, Index lanes, const T* p
   });
 }
 
-/// Sum of squares of x[0..n) in one pass: A independent packet accumulators
-/// in T, flushed into double every kChunk iterations and at the end, in a
-/// fixed order. May overflow or underflow T for extreme magnitudes; RMSNorm
-/// detects that and takes a scaled path.
-template <typename T>
-double row_sum_squares(const T* x, Index n) {
+namespace detail {
+
+/// row_sum_squares of the values a source gives (see row_sum_squares).
+template <typename T, typename Src>
+double sum_squares_of(const Src src, Index n) {
   using namespace Eigen::internal;
   using S = detail::simd<T>;
   using Packet = typename S::Packet;
@@ -731,7 +768,7 @@ double row_sum_squares(const T* x, Index n) {
     for (int a = 0; a < A; ++a) acc[a] = pset1<Packet>(T(0));
     for (Index it = 0; it < iters; ++it, i += kBlock) {
       for (int a = 0; a < A; ++a) {
-        const Packet v = ploadu<Packet>(x + i + a * L);
+        const Packet v = src.template packet<Packet>(i + a * L);
         acc[a] = pmadd(v, v, acc[a]);
       }
     }
@@ -745,7 +782,7 @@ double row_sum_squares(const T* x, Index n) {
   if (i + L <= n) {  // leftover full packets
     Packet acc = pset1<Packet>(T(0));
     for (; i + L <= n; i += L) {
-      const Packet v = ploadu<Packet>(x + i);
+      const Packet v = src.template packet<Packet>(i);
       acc = pmadd(v, v, acc);
     }
     alignas(64) T lanes[L];
@@ -754,8 +791,22 @@ double row_sum_squares(const T* x, Index n) {
     for (int l = 0; l < L; ++l) part[l % 4] += static_cast<double>(lanes[l]);
     total += (part[0] + part[1]) + (part[2] + part[3]);
   }
-  for (; i < n; ++i) total += static_cast<double>(x[i]) * static_cast<double>(x[i]);
+  for (; i < n; ++i) {
+    const double v = static_cast<double>(src.value(i));
+    total += v * v;
+  }
   return total;
+}
+
+}  // namespace detail
+
+/// Sum of squares of x[0..n) in one pass: A independent packet accumulators
+/// in T, flushed into double every kChunk iterations and at the end, in a
+/// fixed order. May overflow or underflow T for extreme magnitudes; RMSNorm
+/// detects that and takes a scaled path.
+template <typename T>
+double row_sum_squares(const T* x, Index n) {
+  return detail::sum_squares_of<T>(detail::RowValues<T>{x}, n);
 }
 
 namespace detail {

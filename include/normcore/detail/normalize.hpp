@@ -7,6 +7,7 @@
 #include <limits>
 #include <type_traits>
 
+#include "normcore/detail/stream.hpp"
 #include "normcore/statistics.hpp"
 
 namespace normcore {
@@ -92,12 +93,15 @@ struct masked_tail<float> : std::true_type {
 };
 #endif
 
-/// Normalizes n contiguous values; gamma/beta per element (either may be
-/// null). Always inlined: for short rows the call and the setup cost as much
-/// as the loop (rows of 64 floats: 0.66x the time inlined).
-template <typename T>
-EIGEN_ALWAYS_INLINE void normalize_span(const T* x, T* y, Index n, const NormCoeffs<T>& k, const T* gamma,
-                                        const T* beta) {
+/// Normalizes the n values of a source (statistics.hpp: RowValues, or the
+/// fused residual add's sums) into y; gamma/beta per element (either may be
+/// null). Stream: y takes streaming stores (detail::can_stream_rows: y
+/// aligned, n whole packets). Always inlined: for short rows the call and
+/// the setup cost as much as the loop (rows of 64 floats: 0.66x the time
+/// inlined).
+template <bool Stream = false, typename T, typename Src>
+EIGEN_ALWAYS_INLINE void normalize_values(const Src src, T* y, Index n, const NormCoeffs<T>& k, const T* gamma,
+                                          const T* beta) {
   using namespace Eigen::internal;
   using Packet = typename simd<T>::Packet;
   constexpr int L = simd<T>::L;
@@ -107,23 +111,23 @@ EIGEN_ALWAYS_INLINE void normalize_span(const T* x, T* y, Index n, const NormCoe
   Index j = 0;
   if (gamma && beta) {
     for (; j + L <= n; j += L) {
-      const Packet v = pmadd(psub(ploadu<Packet>(x + j), pp), pr, pc);
-      pstoreu(y + j, pmadd(v, ploadu<Packet>(gamma + j), ploadu<Packet>(beta + j)));
+      const Packet v = pmadd(psub(src.template packet<Packet>(j), pp), pr, pc);
+      store_packet<Stream>(y + j, pmadd(v, ploadu<Packet>(gamma + j), ploadu<Packet>(beta + j)));
     }
   } else if (gamma) {
     for (; j + L <= n; j += L) {
-      const Packet v = pmadd(psub(ploadu<Packet>(x + j), pp), pr, pc);
-      pstoreu(y + j, pmul(v, ploadu<Packet>(gamma + j)));
+      const Packet v = pmadd(psub(src.template packet<Packet>(j), pp), pr, pc);
+      store_packet<Stream>(y + j, pmul(v, ploadu<Packet>(gamma + j)));
     }
   } else {
     for (; j + L <= n; j += L) {
-      pstoreu(y + j, pmadd(psub(ploadu<Packet>(x + j), pp), pr, pc));
+      store_packet<Stream>(y + j, pmadd(psub(src.template packet<Packet>(j), pp), pr, pc));
     }
   }
   if constexpr (masked_tail<T>::value) {
     if (j < n) {
       const auto m = masked_tail<T>::first(n - j);
-      Packet v = pmadd(psub(ploadu<Packet>(x + j, m), pp), pr, pc);
+      Packet v = pmadd(psub(src.template packet<Packet>(j, m), pp), pr, pc);
       if (gamma) v = beta ? pmadd(v, ploadu<Packet>(gamma + j, m), ploadu<Packet>(beta + j, m))
                           : pmul(v, ploadu<Packet>(gamma + j, m));
       pstoreu(y + j, v, m);
@@ -131,10 +135,17 @@ EIGEN_ALWAYS_INLINE void normalize_span(const T* x, T* y, Index n, const NormCoe
     return;
   }
   for (; j < n; ++j) {
-    T v = madd(x[j] - k.pivot, k.rstd, -k.shift);
+    T v = madd(src.value(j) - k.pivot, k.rstd, -k.shift);
     if (gamma) v = beta ? madd(v, gamma[j], beta[j]) : v * gamma[j];
     y[j] = v;
   }
+}
+
+/// normalize_values of n contiguous values x.
+template <typename T>
+EIGEN_ALWAYS_INLINE void normalize_span(const T* x, T* y, Index n, const NormCoeffs<T>& k, const T* gamma,
+                                        const T* beta) {
+  normalize_values(RowValues<T>{x}, y, n, k, gamma, beta);
 }
 
 /// Normalizes n contiguous values with scalar gamma and beta (BatchNorm NCHW).

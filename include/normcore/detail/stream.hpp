@@ -1,0 +1,89 @@
+// normcore::detail: non-temporal (streaming) stores of whole packets, for
+// outputs that are written once and not read back soon: the line goes to
+// memory without first being read into the cache (no read-for-ownership)
+// and without evicting what the loop still reads. x86 only (SSE, AVX,
+// AVX-512 packets); elsewhere kStreamStores is false and callers keep
+// ordinary stores.
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+
+#include <Eigen/Core>
+
+#include "normcore/statistics.hpp"
+
+namespace normcore {
+namespace detail {
+
+/// Whether this build has streaming stores for simd<T>'s packets (every
+/// x86 vector ISA Eigen uses), and stream_store(p, v) for each of them; p
+/// must be aligned to the packet.
+#ifdef EIGEN_VECTORIZE_SSE2
+constexpr bool kStreamStores = true;
+inline void stream_store(float* p, const Eigen::internal::Packet4f& v) { _mm_stream_ps(p, v); }
+inline void stream_store(double* p, const Eigen::internal::Packet2d& v) { _mm_stream_pd(p, v); }
+#ifdef EIGEN_VECTORIZE_AVX
+inline void stream_store(float* p, const Eigen::internal::Packet8f& v) { _mm256_stream_ps(p, v); }
+inline void stream_store(double* p, const Eigen::internal::Packet4d& v) { _mm256_stream_pd(p, v); }
+#endif
+#ifdef EIGEN_VECTORIZE_AVX512
+inline void stream_store(float* p, const Eigen::internal::Packet16f& v) { _mm512_stream_ps(p, v); }
+inline void stream_store(double* p, const Eigen::internal::Packet8d& v) { _mm512_stream_pd(p, v); }
+#endif
+#else
+constexpr bool kStreamStores = false;
+template <typename T, typename Packet>
+void stream_store(T* p, const Packet& v) {
+  Eigen::internal::pstoreu(p, v);
+}
+#endif
+
+/// Whether the n values at a and the m values at b share no byte.
+template <typename T>
+bool disjoint(const T* a, Index n, const T* b, Index m) {
+  const auto pa = reinterpret_cast<std::uintptr_t>(a), pb = reinterpret_cast<std::uintptr_t>(b);
+  return pa + static_cast<std::uintptr_t>(n) * sizeof(T) <= pb ||
+         pb + static_cast<std::uintptr_t>(m) * sizeof(T) <= pa;
+}
+
+/// Whether rows of n values of T starting at p can take streaming stores of
+/// simd<T> packets: the ISA has them, p is aligned to a packet and every row
+/// is whole packets (so every packet of every row is aligned too).
+template <typename T>
+bool can_stream_rows(const T* p, Index n) {
+  using Packet = typename simd<T>::Packet;
+  constexpr Index kBytes = static_cast<Index>(sizeof(Packet));
+  return kStreamStores && reinterpret_cast<std::uintptr_t>(p) % kBytes == 0 &&
+         (n * static_cast<Index>(sizeof(T))) % kBytes == 0;
+}
+
+/// can_stream_rows(out, n) for count rows written from `count` rows at in,
+/// which they must not overlap: a streaming store evicts the line it
+/// writes, so an output over its input would read that input back from
+/// memory.
+template <typename T>
+bool can_stream_rows(const T* in, const T* out, Index n, Index count) {
+  return can_stream_rows(out, n) && disjoint(in, n * count, out, n * count);
+}
+
+/// Stores v at p: streaming when Stream (p aligned), else pstoreu.
+template <bool Stream, typename T, typename Packet>
+EIGEN_ALWAYS_INLINE void store_packet(T* p, const Packet& v) {
+  if constexpr (Stream && kStreamStores) {
+    stream_store(p, v);
+  } else {
+    Eigen::internal::pstoreu(p, v);
+  }
+}
+
+/// Orders this thread's streaming stores before its later stores (and so
+/// before it signals another thread that the output is ready).
+inline void stream_fence() {
+#ifdef EIGEN_VECTORIZE_SSE2
+  _mm_sfence();
+#endif
+}
+
+}  // namespace detail
+}  // namespace normcore
