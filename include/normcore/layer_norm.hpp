@@ -586,6 +586,7 @@ class LayerNorm {
     }
     const std::size_t gn = static_cast<std::size_t>(groups * n);
     std::vector<double> dw_part(dweight ? gn : 0, 0.0), db_part(dbias ? gn : 0, 0.0);
+    const bool stream_dx = xv.row_major && detail::stream_gradient<S, T>(xv.data, dyp, dhp, dxp, rows, n);
     const auto prm = detail::param_ptrs<T>(weight_, Eigen::Tensor<P, 1>());
     const auto pv = detail::param_view(!xv.row_major, options_.normalized_shape(), prm.gamma,
                                        static_cast<const T*>(nullptr), n);
@@ -615,8 +616,16 @@ class LayerNorm {
           }
           if (acc.rows) acc.flush(dw, db);
         } else if (xv.row_major) {
-          backward_rows(xv.data + r0 * n, dyp + r0 * n, dxp ? dxp + r0 * n : nullptr, r1 - r0, n,
-                        mean + r0, rstd + r0, pv.gamma, dw, db, dhp ? dhp + r0 * n : nullptr, acc);
+          const auto rows_of = [&](auto stream) {
+            backward_rows<decltype(stream)::value>(xv.data + r0 * n, dyp + r0 * n, dxp ? dxp + r0 * n : nullptr,
+                                                   r1 - r0, n, mean + r0, rstd + r0, pv.gamma, dw, db,
+                                                   dhp ? dhp + r0 * n : nullptr, acc);
+          };
+          if (stream_dx) {
+            rows_of(std::true_type());
+          } else {
+            rows_of(std::false_type());
+          }
           if (acc.rows) acc.flush(dw, db);
         } else {
           backward_colmajor(xv.data, dyp, dxp, rows, r0, r1, n, mean, rstd, pv.gamma, dw, db);
@@ -626,6 +635,7 @@ class LayerNorm {
           }
         }
       }
+      if (stream_dx) detail::stream_fence();
     });
     // Groups in order, then back to PyTorch's (row-major) flattening.
     std::vector<Index> perm;
@@ -668,6 +678,7 @@ class LayerNorm {
     }
   };
 
+  template <bool Stream = false>
   static void backward_rows(const T* x, const T* dy, T* dx, Index rows, Index n, const T* mean,
                             const T* rstd, const T* gamma, double* dw, double* db, const T* dh,
                             GradAcc& acc) {
@@ -734,7 +745,7 @@ class LayerNorm {
             const Packet g = gamma ? pmul(dyv, ploadu<Packet>(gamma + j)) : dyv;
             Packet v = pmadd(g, pr, pnegate(pmadd(xh, p3, p4)));
             if (dh) v = padd(v, ploadu<Packet>(dh + r * n + j));
-            pstoreu(dx + r * n + j, v);
+            detail::store_packet<Stream>(dx + r * n + j, v);
           }
           if (dw) pstoreu(accw + j, pmadd(dyv, xh, ploadu<Packet>(accw + j)));
           if (db) pstoreu(accb + j, padd(dyv, ploadu<Packet>(accb + j)));

@@ -563,6 +563,7 @@ class RMSNorm {
                                        static_cast<const T*>(nullptr), n);
     const T* g = pv.gamma;
     std::vector<double> dw_part(dweight ? static_cast<std::size_t>(groups * n) : 0, 0.0);
+    const bool stream_dx = xv.row_major && detail::stream_gradient<S, T>(xv.data, dyp, dhp, dx, rows, n);
 
     detail::run_parts(device, parts, [&](Index p) {
       const Index sb = wide ? detail::backward_stage_rows(n, kRowBlock) : 0;
@@ -611,7 +612,11 @@ class RMSNorm {
             } else {
               rows_rstd(bx, n, m, r.data());
             }
-            backward_rows(bx, bdy, bdx, m, n, r.data(), g, dwp, bdh, gacc);
+            if (!wide && stream_dx) {
+              backward_rows<true>(bx, bdy, bdx, m, n, r.data(), g, dwp, bdh, gacc);
+            } else {
+              backward_rows<false>(bx, bdy, bdx, m, n, r.data(), g, dwp, bdh, gacc);
+            }
             if constexpr (wide) {
               if (dx) detail::convert_n(bdx, dx + b0 * n, m * n);
             }
@@ -627,6 +632,7 @@ class RMSNorm {
           }
         }
       }
+      if (stream_dx) detail::stream_fence();
     });
     if (dweight) {
       std::vector<Index> perm;
@@ -655,6 +661,7 @@ class RMSNorm {
     }
   };
 
+  template <bool Stream>
   static void backward_rows(const T* x, const T* dy, T* dx, Index count, Index n, const W* r,
                             const T* g, double* dwp, const T* dh, GradAcc& gacc) {
     using namespace Eigen::internal;
@@ -732,7 +739,7 @@ class RMSNorm {
               const Packet gv = g ? pmul(dyv, ploadu<Packet>(g + j)) : dyv;
               Packet v = pmul(pr, psub(gv, pmul(xh, pc)));
               if (dh) v = padd(v, ploadu<Packet>(dh + i * n + j));
-              pstoreu(dx + i * n + j, v);
+              detail::store_packet<Stream>(dx + i * n + j, v);
             }
             if (dwp) pstoreu(acc + j, pmadd(dyv, xh, ploadu<Packet>(acc + j)));
           }
