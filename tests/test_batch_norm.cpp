@@ -97,6 +97,53 @@ TYPED_TEST(BatchNormTest, TrainingForwardBackwardAllLayouts) {
   check_nchw<TypeParam>(300, 5, 1, 1, 98, 3.0);  // (N, C) with many rows
 }
 
+// Inputs of normcore::detail::kStreamingBytes or more write y with streaming
+// stores when y is aligned and every packet store lands on a packet
+// boundary. In eval mode each sample is normalized on its own, so the bits
+// must be those of the same samples in calls below the threshold, with y
+// aligned and one element off alignment (ordinary stores): channels-first
+// long segments (56x56) and short ones (14x14), channels-last with the
+// constants in registers (64 channels) and not (1024).
+TYPED_TEST(BatchNormTest, LargeEvalInputSameBitsAsSmallCalls) {
+  using T = TypeParam;
+  struct Shape {
+    Index C, S;
+    bool last;
+  };
+  for (const Shape sh : {Shape{8, 3136, false}, Shape{16, 196, false}, Shape{64, 49, true}, Shape{1024, 7, true}}) {
+    SCOPED_TRACE(::testing::Message() << "C=" << sh.C << " S=" << sh.S << (sh.last ? " channels-last" : ""));
+    const Index per = sh.C * sh.S;  // values per sample
+    const Index N = normcore::detail::kStreamingBytes / (per * static_cast<Index>(sizeof(T))) + 2;
+    const auto total = static_cast<std::size_t>(N * per);
+    BatchNorm<T> bn{BatchNormOptions(sh.C).channel_axis(sh.last ? -1 : 1)};
+    randomize(bn, 90);
+    const auto m = randn<T>(static_cast<std::size_t>(sh.C), 91, 0.0, 3.0);
+    for (Index c = 0; c < sh.C; ++c) {
+      bn.running_mean()(c) = m[static_cast<std::size_t>(c)];
+      bn.running_var()(c) = T(1) + T(c % 3);
+    }
+    bn.eval();
+    const auto xv = randn<T>(total, 92, 0.5, 2.0);
+    const Index d1 = sh.last ? sh.S : sh.C, d2 = sh.last ? sh.C : sh.S;
+    std::vector<T> want(total);
+    const Index chunk = 4;  // samples per small call
+    ASSERT_LT(chunk * per * static_cast<Index>(sizeof(T)), normcore::detail::kStreamingBytes);
+    for (Index n0 = 0; n0 < N; n0 += chunk) {
+      const Index k = std::min(chunk, N - n0);
+      Eigen::TensorMap<const Eigen::Tensor<T, 3, Eigen::RowMajor>> xs(xv.data() + n0 * per, k, d1, d2);
+      Eigen::TensorMap<Eigen::Tensor<T, 3, Eigen::RowMajor>> ys(want.data() + n0 * per, k, d1, d2);
+      bn.forward(xs, ys);
+    }
+    Eigen::TensorMap<const Eigen::Tensor<T, 3, Eigen::RowMajor>> x(xv.data(), N, d1, d2);
+    std::vector<T, Eigen::aligned_allocator<T>> yb(total + 1);
+    for (int off = 0; off < 2; ++off) {
+      Eigen::TensorMap<Eigen::Tensor<T, 3, Eigen::RowMajor>> y(yb.data() + off, N, d1, d2);
+      bn.forward(x, y);
+      EXPECT_EQ(std::memcmp(y.data(), want.data(), total * sizeof(T)), 0) << "offset " << off;
+    }
+  }
+}
+
 // Channels-last normalize, bit for bit against channels-first in eval mode
 // (the same running statistics, so the same per-channel constants): every
 // loop applies the same fma(x - pivot, scale, shift) per value, whichever

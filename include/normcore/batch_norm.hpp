@@ -543,8 +543,6 @@ class BatchNorm {
   template <typename Device>
   void normalize(const Device& device, const T* x, T* y, const View& v,
                  const std::vector<detail::NormCoeffs<T>>& k) const {
-    using namespace Eigen::internal;
-    using Packet = typename detail::simd<T>::Packet;
     constexpr int L = detail::simd<T>::L;
     const Index C = v.C;
     std::vector<T> piv(static_cast<std::size_t>(C)), sc(static_cast<std::size_t>(C)), bs(static_cast<std::size_t>(C));
@@ -560,30 +558,55 @@ class BatchNorm {
     // Whether any pivot is other than +0 (see normalize_channels_last).
     const bool pivots = std::any_of(piv.begin(), piv.end(), [](T p) { return p != T(0) || std::signbit(p); });
     const bool quads = v.outer * C * static_cast<Index>(sizeof(T)) < kQuadsBelowBytes;
+    // Streaming stores for y on inputs of detail::kStreamingBytes or more
+    // when every packet store lands on a packet boundary: y aligned, and
+    // rows (channels-last) or segments (channels-first) of whole packets;
+    // short segments align their stores on y themselves.
+    const Index total = v.outer * C * v.inner;
+    const Index run = v.inner == 1 ? C : (v.inner >= L && v.inner < detail::kShortRowPackets * L) ? L : v.inner;
+    const bool stream = total * static_cast<Index>(sizeof(T)) >= detail::kStreamingBytes &&
+                        detail::disjoint(x, total, static_cast<const T*>(y), total) && detail::can_stream_rows(y, run);
     detail::run_parts(device, split.parts, [&](Index p) {
       const Index s0 = split.begin(p), s1 = split.begin(p + 1);
-      if (v.inner == 1) {
-        if (pivots)
-          normalize_channels_last<true>(x, y, C, s0, s1, piv.data(), sc.data(), bs.data(), quads);
-        else
-          normalize_channels_last<false>(x, y, C, s0, s1, piv.data(), sc.data(), bs.data(), quads);
-        return;
-      }
-      if (v.inner >= L && v.inner < detail::kShortRowPackets * L) {
-        normalize_short_segments(x, y, v.inner, C, s0, s1, piv.data(), sc.data(), bs.data());
-        return;
-      }
-      std::size_t cc = static_cast<std::size_t>(s0 % C);  // channel of segment sg
-      for (Index sg = s0; sg < s1; ++sg) {
-        const T* xs = x + sg * v.inner;
-        T* ys = y + sg * v.inner;
-        const Packet pp = pset1<Packet>(piv[cc]), ps = pset1<Packet>(sc[cc]), pb = pset1<Packet>(bs[cc]);
-        Index i = 0;
-        for (; i + L <= v.inner; i += L) pstoreu(ys + i, pmadd(psub(ploadu<Packet>(xs + i), pp), ps, pb));
-        for (; i < v.inner; ++i) ys[i] = detail::madd(xs[i] - piv[cc], sc[cc], bs[cc]);
-        if (++cc == static_cast<std::size_t>(C)) cc = 0;  // no division per segment
+      if (stream) {
+        normalize_part<true>(x, y, v, s0, s1, piv.data(), sc.data(), bs.data(), pivots, quads);
+        detail::stream_fence();
+      } else {
+        normalize_part<false>(x, y, v, s0, s1, piv.data(), sc.data(), bs.data(), pivots, quads);
       }
     });
+  }
+
+  // Segments [s0, s1) of normalize (channels-last: rows).
+  template <bool Stream>
+  static void normalize_part(const T* x, T* y, const View& v, Index s0, Index s1, const T* piv, const T* sc,
+                             const T* bs, bool pivots, bool quads) {
+    using namespace Eigen::internal;
+    using Packet = typename detail::simd<T>::Packet;
+    constexpr int L = detail::simd<T>::L;
+    const Index C = v.C;
+    if (v.inner == 1) {
+      if (pivots)
+        normalize_channels_last<true, Stream>(x, y, C, s0, s1, piv, sc, bs, quads);
+      else
+        normalize_channels_last<false, Stream>(x, y, C, s0, s1, piv, sc, bs, quads);
+      return;
+    }
+    if (v.inner >= L && v.inner < detail::kShortRowPackets * L) {
+      normalize_short_segments<Stream>(x, y, v.inner, C, s0, s1, piv, sc, bs);
+      return;
+    }
+    Index cc = s0 % C;  // channel of segment sg
+    for (Index sg = s0; sg < s1; ++sg) {
+      const T* xs = x + sg * v.inner;
+      T* ys = y + sg * v.inner;
+      const Packet pp = pset1<Packet>(piv[cc]), ps = pset1<Packet>(sc[cc]), pb = pset1<Packet>(bs[cc]);
+      Index i = 0;
+      for (; i + L <= v.inner; i += L)
+        detail::store_packet<Stream>(ys + i, pmadd(psub(ploadu<Packet>(xs + i), pp), ps, pb));
+      for (; i < v.inner; ++i) ys[i] = detail::madd(xs[i] - piv[cc], sc[cc], bs[cc]);
+      if (++cc == C) cc = 0;  // no division per segment
+    }
   }
 
   // Channels-last inputs (x alone) under this many bytes take four rows per
@@ -592,14 +615,15 @@ class BatchNorm {
   static constexpr Index kQuadsBelowBytes = Index(12) << 20;
 
   // One packet of y = fma(x - pp, ps, pb); without Pivot, fma(x, ps, pb).
-  template <bool Pivot, typename Packet>
+  // Stream: a streaming store (y aligned).
+  template <bool Pivot, bool Stream, typename Packet>
   static EIGEN_ALWAYS_INLINE void normalize_packet(const T* x, T* y, const Packet& pp, const Packet& ps,
                                                    const Packet& pb) {
     using namespace Eigen::internal;
     const Packet v = ploadu<Packet>(x);
-    pstoreu(y, pmadd(Pivot ? psub(v, pp) : v, ps, pb));
+    detail::store_packet<Stream>(y, pmadd(Pivot ? psub(v, pp) : v, ps, pb));
   }
-  template <bool Pivot, int NP>
+  template <bool Pivot, bool Stream, int NP>
   static void normalize_lane_block(const T* x, T* y, Index C, Index o0, Index o1, const T* piv, const T* sc,
                                    const T* bs) {
     using namespace Eigen::internal;
@@ -612,9 +636,10 @@ class BatchNorm {
       pb[k] = ploadu<Packet>(bs + k * L);
     }
     for (Index o = o0; o < o1; ++o)
-      for (int k = 0; k < NP; ++k) normalize_packet<Pivot>(x + o * C + k * L, y + o * C + k * L, pp[k], ps[k], pb[k]);
+      for (int k = 0; k < NP; ++k)
+        normalize_packet<Pivot, Stream>(x + o * C + k * L, y + o * C + k * L, pp[k], ps[k], pb[k]);
   }
-  template <bool Pivot, int Rows>
+  template <bool Pivot, bool Stream, int Rows>
   static void normalize_lane_rows(const T* x, T* y, Index C, Index o0, Index o1, const T* piv, const T* sc,
                                   const T* bs) {
     using namespace Eigen::internal;
@@ -625,7 +650,8 @@ class BatchNorm {
       for (Index c = 0; c < full; c += L) {
         const Packet pp = Pivot ? ploadu<Packet>(piv + c) : pset1<Packet>(T(0));
         const Packet ps = ploadu<Packet>(sc + c), pb = ploadu<Packet>(bs + c);
-        for (int r = 0; r < Rows; ++r) normalize_packet<Pivot>(x + (o + r) * C + c, y + (o + r) * C + c, pp, ps, pb);
+        for (int r = 0; r < Rows; ++r)
+          normalize_packet<Pivot, Stream>(x + (o + r) * C + c, y + (o + r) * C + c, pp, ps, pb);
       }
   }
   // Channels-last rows [o0, o1) of C values: y = fma(x - piv, sc, bs) per
@@ -640,18 +666,18 @@ class BatchNorm {
   //   constants. Only on inputs the caches hold: on larger ones several read
   //   and write streams cost more than the loads they save.
   // Leftover channels (C mod L) in scalars.
-  template <bool Pivot>
+  template <bool Pivot, bool Stream>
   static void normalize_channels_last(const T* x, T* y, Index C, Index o0, Index o1, const T* piv, const T* sc,
                                       const T* bs, bool quads) {
     constexpr int L = detail::simd<T>::L;
     const Index full = C / L * L;
     if (full > detail::kRegisterLanePackets * L) {
       const Index o2 = quads ? o0 + (o1 - o0) / 4 * 4 : o0;
-      normalize_lane_rows<Pivot, 4>(x, y, C, o0, o2, piv, sc, bs);
-      normalize_lane_rows<Pivot, 1>(x, y, C, o2, o1, piv, sc, bs);
+      normalize_lane_rows<Pivot, Stream, 4>(x, y, C, o0, o2, piv, sc, bs);
+      normalize_lane_rows<Pivot, Stream, 1>(x, y, C, o2, o1, piv, sc, bs);
     } else if (full > 0) {
       detail::with_register_packets(static_cast<int>(full / L), [&](auto k) {
-        normalize_lane_block<Pivot, decltype(k)::value>(x, y, C, o0, o1, piv, sc, bs);
+        normalize_lane_block<Pivot, Stream, decltype(k)::value>(x, y, C, o0, o1, piv, sc, bs);
       });
     }
     if (full < C)
@@ -669,6 +695,7 @@ class BatchNorm {
   // packet that straddles two segments (at most two: inner >= L) takes each
   // lane's constants by a select on the lane index. Every value gets the same arithmetic as in the
   // segment loop, so the same bits.
+  template <bool Stream>
   static void normalize_short_segments(const T* x, T* y, Index inner, Index C, Index s0, Index s1,
                                        const T* piv, const T* sc, const T* bs) {
     using namespace Eigen::internal;
@@ -695,15 +722,15 @@ class BatchNorm {
     while (f + L <= f1) {
       if (f + L <= end) {  // whole packets inside the segment
         const Index stop = std::min(end, f1);
-        for (; f + L <= stop; f += L) pstoreu(y + f, pmadd(psub(ploadu<Packet>(x + f), pp), ps, pb));
+        for (; f + L <= stop; f += L) detail::store_packet<Stream>(y + f, pmadd(psub(ploadu<Packet>(x + f), pp), ps, pb));
         continue;
       }
       const Index cn = c + 1 == C ? 0 : c + 1;
       const Packet np = pset1<Packet>(piv[cn]), ns = pset1<Packet>(sc[cn]), nb = pset1<Packet>(bs[cn]);
       if (f < end) {  // lanes [0, end - f) in channel c, the rest in cn
         const Packet first = pcmp_lt(lane, pset1<Packet>(static_cast<T>(end - f)));
-        pstoreu(y + f, pmadd(psub(ploadu<Packet>(x + f), pselect(first, pp, np)), pselect(first, ps, ns),
-                             pselect(first, pb, nb)));
+        detail::store_packet<Stream>(y + f, pmadd(psub(ploadu<Packet>(x + f), pselect(first, pp, np)),
+                                                   pselect(first, ps, ns), pselect(first, pb, nb)));
         f += L;
       }
       c = cn;
