@@ -144,6 +144,34 @@ TYPED_TEST(BatchNormTest, LargeEvalInputSameBitsAsSmallCalls) {
   }
 }
 
+// The channels-first backward on an input of normcore::detail::kStreamingBytes
+// or more writes dx with streaming stores when dx is aligned and its
+// segments are whole packets: the same bits as into a dx one element off
+// alignment (ordinary stores), with the per-channel pass that fuses the
+// sums and dx (8 channels) and the two passes (4 channels).
+TYPED_TEST(BatchNormTest, LargeBackwardStreamingSameBitsAsOrdinaryStores) {
+  using T = TypeParam;
+  for (const Index C : {Index(8), Index(4)}) {
+    SCOPED_TRACE(::testing::Message() << "C=" << C);
+    const Index S = 3136;
+    const Index N = normcore::detail::kStreamingBytes / (C * S * static_cast<Index>(sizeof(T))) + 1;
+    const auto total = static_cast<std::size_t>(N * C * S);
+    BatchNorm<T> bn{BatchNormOptions(C)};
+    randomize(bn, 95);
+    const auto xv = randn<T>(total, 96, 0.5, 2.0), gv = randn<T>(total, 97);
+    Eigen::TensorMap<const Eigen::Tensor<T, 3, Eigen::RowMajor>> x(xv.data(), N, C, S), dy(gv.data(), N, C, S);
+    NormStats<T> st;
+    Eigen::Tensor<T, 3, Eigen::RowMajor> y(N, C, S);
+    bn.forward(x, y, st);
+    std::vector<T, Eigen::aligned_allocator<T>> a(total), b(total + 1);
+    Eigen::TensorMap<Eigen::Tensor<T, 3, Eigen::RowMajor>> da(a.data(), N, C, S), db(b.data() + 1, N, C, S);
+    Eigen::Tensor<T, 1> dw, dbias;
+    bn.backward(x, dy, &da, &dw, &dbias, &st);
+    bn.backward(x, dy, &db, &dw, &dbias, &st);
+    EXPECT_EQ(std::memcmp(a.data(), b.data() + 1, total * sizeof(T)), 0);
+  }
+}
+
 // Channels-last normalize, bit for bit against channels-first in eval mode
 // (the same running statistics, so the same per-channel constants): every
 // loop applies the same fma(x - pivot, scale, shift) per value, whichever
