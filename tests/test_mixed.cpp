@@ -464,7 +464,7 @@ void check_large_fused(Layer& layer, Index n, bool with_mean) {
 template <typename T>
 class FusedLarge : public ::testing::Test {};
 using FusedTypes = ::testing::Types<float, double>;
-TYPED_TEST_SUITE(FusedLarge, FusedTypes);
+TYPED_TEST_SUITE(FusedLarge, FusedTypes, );
 
 TYPED_TEST(FusedLarge, StreamingInputsGiveTheBitsOfAddThenNorm) {
   using T = TypeParam;
