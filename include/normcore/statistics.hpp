@@ -160,9 +160,12 @@ namespace detail {
 /// Where the long-row kernels (row_moments_acc, sum_squares_of, the
 /// normalize loops) read a row's values: a row in memory (RowValues), or
 /// values made as they are read (mixed.hpp: x + residual for the fused
-/// residual norms). packet(i) gives the L values from i; value(j) one value
-/// (the row's last n mod L values). A source returns the same bits for a
-/// value whether it is read in a packet or alone.
+/// residual norms). packet(i) gives the L values from i (packet(i, mask):
+/// the masked-in lanes); value(j) one value (tails and scalar paths). A
+/// source returns the same bits for a value whether it is read in a packet
+/// or alone. Kernels take sources by value: a copy on the stack cannot be
+/// aliased by the stores a source makes, so its pointers stay in registers
+/// (by reference, GCC reloaded them after every streaming store).
 template <typename T>
 struct RowValues {
   const T* x;
