@@ -406,8 +406,8 @@ namespace {
 // test_rms_norm), with the statistics, whichever stores each output takes:
 // streaming (separate aligned tensors), ordinary (an output one element off
 // alignment, or h over the residual) or the blocks (h over r and y over x).
-// Rows of 1024 values are whole packets on every ISA; rows of 1000 are not
-// with AVX-512 (no streaming stores), and leave a tail.
+// Rows of 1024 values are whole packets on every ISA; rows of 1000 are whole
+// packets except for floats with AVX-512, which then take the blocks.
 template <typename T, typename Layer>
 void check_large_fused(Layer& layer, Index n, bool with_mean) {
   SCOPED_TRACE(::testing::Message() << "n=" << n << (with_mean ? " LayerNorm" : " RMSNorm"));

@@ -209,45 +209,17 @@ TYPED_TEST(RMSNormTest, LargeInputForwardSameBitsAsSmallCalls) {
   }
 }
 
-// A backward over an input of normcore::detail::kStreamingBytes or more
-// writes dx with streaming stores when dx is aligned, whole packets per row
-// and apart from x and dy; dx must be the bits of the same rows in calls
-// below the threshold, whichever stores it takes (aligned, one element off
-// alignment, or over dy).
+// Large backward inputs: dx with streaming stores (nctest::check_large_backward).
 TYPED_TEST(RMSNormTest, LargeInputBackwardSameBitsAsSmallCalls) {
   using T = TypeParam;
   for (Index n : {Index(64), Index(1024)}) {
-    SCOPED_TRACE(::testing::Message() << "n=" << n);
-    const Index row_bytes = n * static_cast<Index>(sizeof(T));
-    const Index rows = normcore::detail::kStreamingBytes / row_bytes + 5;
-    const auto N = static_cast<std::size_t>(rows * n);
-    RMSNorm<T> ln(RMSNormOptions({n}));
+    RMSNorm<T> rn(RMSNormOptions({n}));
     const auto gv = randn<T>(static_cast<std::size_t>(n), 7, 1.0, 0.5);
-    std::copy(gv.begin(), gv.end(), ln.weight().data());
-    const auto xb = randn<T>(N, 23, 0.5, 2.0);
-    const auto dyb = randn<T>(N, 24);
-    std::vector<T> want(N);
-    const Index chunk = 1000;
-    ASSERT_LT(chunk * row_bytes, normcore::detail::kStreamingBytes);
-    for (Index r0 = 0; r0 < rows; r0 += chunk) {
-      const Index m = std::min(chunk, rows - r0);
-      Eigen::TensorMap<const Eigen::Tensor<T, 2, Eigen::RowMajor>> xs(xb.data() + r0 * n, m, n),
-          dys(dyb.data() + r0 * n, m, n);
-      Eigen::TensorMap<Eigen::Tensor<T, 2, Eigen::RowMajor>> dxs(want.data() + r0 * n, m, n);
-      ln.backward(xs, dys, &dxs, nullptr);
-    }
-    Eigen::TensorMap<const Eigen::Tensor<T, 2, Eigen::RowMajor>> x(xb.data(), rows, n), dy(dyb.data(), rows, n);
-    std::vector<T, Eigen::aligned_allocator<T>> dxb(N + 1);
+    std::copy(gv.begin(), gv.end(), rn.weight().data());
     Eigen::Tensor<T, 1> dw;
-    for (int off = 0; off < 2; ++off) {
-      Eigen::TensorMap<Eigen::Tensor<T, 2, Eigen::RowMajor>> dx(dxb.data() + off, rows, n);
-      ln.backward(x, dy, &dx, &dw);
-      ASSERT_EQ(std::memcmp(dx.data(), want.data(), N * sizeof(T)), 0) << "offset " << off;
-    }
-    auto dyw = dyb;
-    Eigen::TensorMap<Eigen::Tensor<T, 2, Eigen::RowMajor>> over(dyw.data(), rows, n);
-    ln.backward(x, over, &over, nullptr);
-    ASSERT_EQ(std::memcmp(dyw.data(), want.data(), N * sizeof(T)), 0) << "dx over dy";
+    check_large_backward<T>(n, [&](const auto& x, const auto& dy, auto& dx, bool grads) {
+      rn.backward(x, dy, &dx, grads ? &dw : nullptr);
+    });
   }
 }
 

@@ -417,16 +417,10 @@ class LayerNorm {
   template <bool StreamH, bool StreamY>
   void forward_add_rows(const T* x, const T* r, T* h, T* out, Index n, Index count, T* mean, T* rstd,
                         const T* g, const T* b) const {
-    constexpr int L = detail::simd<T>::L;
-    const Index full = n / L * L;
-    for (Index i = 0; i < count; ++i) {
-      const T* xr = x + i * n;
-      const T* rr = r + i * n;
-      T* hr = h + i * n;
-      T* yr = out + i * n;
+    detail::each_add_row(x, r, h, out, n, count, [&](Index i, const T* xr, const T* rr, T* hr, T* yr) {
       const T pivot = xr[0] + rr[0];
       Welford<double> w = detail::moments_of(detail::AddStoreValues<T, StreamH>{xr, rr, hr}, n, pivot);
-      for (Index j = full; j < n; ++j) hr[j] = xr[j] + rr[j];
+      detail::add_tail(xr, rr, hr, n);
       detail::NormCoeffs<T> k;
       coeffs_from_moments(hr, n, 1, &pivot, &w, &k);
       if (mean) mean[i] = k.mean;
@@ -436,7 +430,7 @@ class LayerNorm {
       } else {
         detail::normalize_values<StreamY>(detail::RowValues<T>{hr}, yr, n, k, g, b);
       }
-    }
+    });
   }
 
   // Checks the backward's arguments and takes views; 16-bit ColMajor data

@@ -307,6 +307,20 @@ struct AddStoreValues {
   EIGEN_ALWAYS_INLINE T value(Index j) const { return x[j] + r[j]; }
 };
 
+/// fn(i, x, r, h, y) with row i's pointers, for each of `count` rows of n
+/// values: the loop of the fused forward's row-by-row path.
+template <typename T, typename Fn>
+void each_add_row(const T* x, const T* r, T* h, T* y, Index n, Index count, Fn&& fn) {
+  for (Index i = 0; i < count; ++i) fn(i, x + i * n, r + i * n, h + i * n, y + i * n);
+}
+
+/// h = x + r for a row's last n mod L values (those AddStoreValues does not
+/// store).
+template <typename T>
+void add_tail(const T* x, const T* r, T* h, Index n) {
+  for (Index j = n / simd<T>::L * simd<T>::L; j < n; ++j) h[j] = x[j] + r[j];
+}
+
 /// x + r made again, not stored: the normalize pass when h took streaming
 /// stores (and so is no longer in cache, while x and r are).
 template <typename T>
@@ -335,10 +349,11 @@ struct SumValues {
 ///   each either the same as or disjoint from each other, and h or y can
 ///   take streaming stores: row by row, direct_fn's statistics pass reads x
 ///   and residual and stores h as it goes, and the row is normalized
-///   straight after. h takes streaming stores when it is apart from x and
-///   residual and aligned (detail::can_stream_rows; the normalize pass then
-///   adds x and residual again, from L1), y when it is apart from the other
-///   three and aligned. With both, memory sees x and residual read and h
+///   straight after. h takes streaming stores when it is apart from the
+///   other three and aligned (detail::can_stream_rows; the normalize pass
+///   then adds x and residual again, from L1), y when it is apart from the
+///   other three and aligned. (Either makes rows whole packets, so today
+///   this path's rows have no tail; add_tail keeps it right if they did.) With both, memory sees x and residual read and h
 ///   and y written once, with no read-for-ownership of h or y. (Without
 ///   either, as in an update in place, this path measured slower than the
 ///   blocks: 1.10x the time for LayerNorm at 4096x1024.)
@@ -394,7 +409,7 @@ void fused_add_norm(const Device& device, const char* who, const std::vector<Ind
     const Index total = rows * n;
     const auto apart = [total](const S* a, const S* b) { return disjoint(a, total, b, total); };
     const auto same_or_apart = [&](const S* a, const S* b) { return a == b || apart(a, b); };
-    const bool stream_h = apart(hp, xp) && apart(hp, rp) && can_stream_rows(hp, n);
+    const bool stream_h = apart(hp, xp) && apart(hp, rp) && apart(hp, yp) && can_stream_rows(hp, n);
     const bool stream_y = apart(yp, xp) && apart(yp, rp) && apart(yp, hp) && can_stream_rows(yp, n);
     if (streaming_input<S, T>(rows, n) && n >= long_row && (stream_h || stream_y) && same_or_apart(xp, rp) &&
         same_or_apart(xp, hp) && same_or_apart(xp, yp) && same_or_apart(rp, hp) && same_or_apart(rp, yp) &&

@@ -509,15 +509,9 @@ class RMSNorm {
   // forward_rows on h.
   template <bool StreamH, bool StreamY>
   void forward_add_rows(const T* x, const T* r, T* h, T* out, Index n, Index count, T* rsave, const T* g) const {
-    constexpr int L = detail::simd<T>::L;
-    const Index full = n / L * L;
-    for (Index i = 0; i < count; ++i) {
-      const T* xr = x + i * n;
-      const T* rr = r + i * n;
-      T* hr = h + i * n;
-      T* yr = out + i * n;
+    detail::each_add_row(x, r, h, out, n, count, [&](Index i, const T* xr, const T* rr, T* hr, T* yr) {
       const double ss = detail::sum_squares_of<T>(detail::AddStoreValues<T, StreamH>{xr, rr, hr}, n);
-      for (Index j = full; j < n; ++j) hr[j] = xr[j] + rr[j];
+      detail::add_tail(xr, rr, hr, n);
       const W ri = rstd_from_sum(hr, n, ss);
       if (rsave) rsave[i] = static_cast<T>(ri);
       if constexpr (StreamH) {
@@ -525,7 +519,7 @@ class RMSNorm {
       } else {
         scale_values<StreamY>(detail::RowValues<T>{hr}, yr, n, ri, g);
       }
-    }
+    });
   }
 
   template <typename Device, typename X, typename DY, typename DX, typename DH>
