@@ -141,13 +141,6 @@ EIGEN_ALWAYS_INLINE void normalize_values(const Src src, T* y, Index n, const No
   }
 }
 
-/// normalize_values of n contiguous values x.
-template <typename T>
-EIGEN_ALWAYS_INLINE void normalize_span(const T* x, T* y, Index n, const NormCoeffs<T>& k, const T* gamma,
-                                        const T* beta) {
-  normalize_values(RowValues<T>{x}, y, n, k, gamma, beta);
-}
-
 /// Normalizes n contiguous values with scalar gamma and beta (BatchNorm NCHW).
 template <typename T>
 void normalize_span_scalar_affine(const T* x, T* y, Index n, const NormCoeffs<T>& k, T gamma,
