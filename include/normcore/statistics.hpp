@@ -369,16 +369,81 @@ inline void prefetch_span(const void* p, Index bytes) {
   for (Index off = 0; off < bytes; off += 64) Eigen::internal::prefetch(c + off);
 }
 
-/// a[l * R + r] += a[(l + h) * R + r] for h = L/2, ..., 1 (R = one double
-/// packet of rows): lane 0 ends with the sum of the L lanes of every row, in
-/// the same tree on every ISA.
-template <int L>
-inline void sum_lanes_by_halving(double* a) {
+/// Whether this build widens packets of T to double in registers (x86:
+/// every packet short_rows_moments takes whose lane count is a multiple of
+/// simd<double>::L), with widen_lanes(a, out): out[i] holds lanes
+/// i * R .. i * R + R - 1 of a as doubles (R = simd<double>::L).
+#if defined(EIGEN_VECTORIZE_SSE2)
+constexpr bool kWidenInRegisters = true;
+template <typename PD>
+inline void widen_lanes(const PD& a, PD* out) {  // already double
+  out[0] = a;
+}
+#if defined(EIGEN_VECTORIZE_AVX512)
+inline void widen_lanes(const Eigen::internal::Packet8f& a, Eigen::internal::Packet8d* out) {
+  out[0] = _mm512_cvtps_pd(a);
+}
+#elif defined(EIGEN_VECTORIZE_AVX)
+inline void widen_lanes(const Eigen::internal::Packet8f& a, Eigen::internal::Packet4d* out) {
+  out[0] = _mm256_cvtps_pd(_mm256_castps256_ps128(a));
+  out[1] = _mm256_cvtps_pd(_mm256_extractf128_ps(a, 1));
+}
+#else
+inline void widen_lanes(const Eigen::internal::Packet4f& a, Eigen::internal::Packet2d* out) {
+  out[0] = _mm_cvtps_pd(a);
+  out[1] = _mm_cvtps_pd(_mm_movehl_ps(a, a));
+}
+#endif
+#else
+constexpr bool kWidenInRegisters = false;
+#endif
+
+// PacketBlock over Eigen's packet types: GCC warns that the vector types'
+// attributes are ignored as template arguments, which is harmless here
+// (the block only holds them).
+#if defined(__GNUC__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wignored-attributes"
+#endif
+/// out[l] = lane l of in[0..R), widened to double (R = simd<double>::L
+/// rows of L lanes, transposed to lane-major). Exact: widening and moving
+/// values round nothing, so either route gives the same bits. In registers
+/// (widen_lanes, then transposes of R x R blocks) where the build has them,
+/// else through memory lane by lane.
+template <int R, typename Packet, typename PD>
+EIGEN_ALWAYS_INLINE void widen_transposed(const Packet* in, PD* out) {
   using namespace Eigen::internal;
-  using PD = typename simd<double>::Packet;
-  constexpr int R = simd<double>::L;
+  using T = typename unpacket_traits<Packet>::type;
+  constexpr int L = unpacket_traits<Packet>::size;
+  if constexpr (kWidenInRegisters && R > 1 && L % R == 0) {
+    PD w[R][L / R];
+    for (int r = 0; r < R; ++r) widen_lanes(in[r], w[r]);
+    for (int b = 0; b < L / R; ++b) {
+      PacketBlock<PD, R> blk;
+      for (int r = 0; r < R; ++r) blk.packet[r] = w[r][b];
+      ptranspose(blk);
+      for (int i = 0; i < R; ++i) out[b * R + i] = blk.packet[i];
+    }
+  } else {
+    alignas(64) double t[L * R];
+    for (int r = 0; r < R; ++r) {
+      alignas(64) T a[L];
+      pstore(a, in[r]);
+      for (int l = 0; l < L; ++l) t[l * R + r] = static_cast<double>(a[l]);
+    }
+    for (int l = 0; l < L; ++l) out[l] = pload<PD>(t + l * R);
+  }
+}
+#if defined(__GNUC__)
+#pragma GCC diagnostic pop
+#endif
+
+/// a[l] += a[l + h] for h = L/2, ..., 1: a[0] ends with the sum of the L
+/// lane packets, in the same tree on every ISA.
+template <int L, typename PD>
+EIGEN_ALWAYS_INLINE void sum_lanes_by_halving(PD* a) {
   for (int h = L / 2; h >= 1; h /= 2)
-    for (int l = 0; l < h; ++l) pstore(a + l * R, padd(pload<PD>(a + l * R), pload<PD>(a + (l + h) * R)));
+    for (int l = 0; l < h; ++l) a[l] = Eigen::internal::padd(a[l], a[l + h]);
 }
 
 /// Moments of simd<double>::L short rows (rows_moments' kShortMomentsValues) side
@@ -443,64 +508,44 @@ void short_rows_moments(const T* const* rows, Index n, Welford<double>* out) {
     //     halving in the same tree. (A separate branch: folded into 2 and 3,
     //     GCC contracted their multiply-adds differently, changing the bits
     //     of rows without a tail.)
-    alignas(64) double mt[L * R];
-    alignas(64) double qt[L * R];
-    alignas(64) double st[L * R];
-    for (int r = 0; r < R; ++r) {
-      alignas(64) T a[L];
-      alignas(64) T b[L];
-      pstore(a, mean[r]);
-      pstore(b, m2[r]);
-      for (int l = 0; l < L; ++l) {
-        const double c = static_cast<double>(packets + (l >= L - rest ? 1 : 0));
-        mt[l * R + r] = static_cast<double>(a[l]);
-        st[l * R + r] = c * static_cast<double>(a[l]);
-        qt[l * R + r] = static_cast<double>(b[l]);
-      }
-    }
+    PD mt[L];
+    PD qt[L];
+    PD st[L];
+    widen_transposed<R>(mean, mt);
+    widen_transposed<R>(m2, qt);
+    for (int l = 0; l < L; ++l) st[l] = pmul(pset1<PD>(static_cast<double>(packets + (l >= L - rest ? 1 : 0))), mt[l]);
     sum_lanes_by_halving<L>(st);
     sum_lanes_by_halving<L>(qt);
-    const PD avg = pdiv(pload<PD>(st), pset1<PD>(static_cast<double>(n)));
+    const PD avg = pdiv(st[0], pset1<PD>(static_cast<double>(n)));
     for (int l = 0; l < L; ++l) {
       const PD c = pset1<PD>(static_cast<double>(packets + (l >= L - rest ? 1 : 0)));
-      const PD e = psub(pload<PD>(mt + l * R), avg);
-      pstore(mt + l * R, pmul(c, pmul(e, e)));
+      const PD e = psub(mt[l], avg);
+      mt[l] = pmul(c, pmul(e, e));
     }
     sum_lanes_by_halving<L>(mt);
     pstore(mu, avg);
-    pstore(q, padd(pload<PD>(qt), pload<PD>(mt)));
+    pstore(q, padd(qt[0], mt[0]));
   } else if (packets > 0) {
-    // 2. Widen and transpose: lane l of row r at [l * R + r].
-    alignas(64) double mt[L * R];
-    alignas(64) double qt[L * R];
-    for (int r = 0; r < R; ++r) {
-      alignas(64) T a[L];
-      alignas(64) T b[L];
-      pstore(a, mean[r]);
-      pstore(b, m2[r]);
-      for (int l = 0; l < L; ++l) {
-        mt[l * R + r] = static_cast<double>(a[l]);
-        qt[l * R + r] = static_cast<double>(b[l]);
-      }
-    }
+    // 2. Widen and transpose: mt[l] holds lane l of every row.
+    PD mt[L];
+    PD qt[L];
+    widen_transposed<R>(mean, mt);
+    widen_transposed<R>(m2, qt);
     // 3. Sum of the lane means and of the lane M2s by halving; then the
     //    spread of the lane means about their mean.
-    alignas(64) double st[L * R];
-    // The transposing loop above writes every element of mt (cppcheck 2.10
-    // does not follow its index arithmetic; zero-filling cost a memset per group).
-    // cppcheck-suppress uninitvar
-    for (int l = 0; l < L * R; ++l) st[l] = mt[l];
+    PD st[L];
+    for (int l = 0; l < L; ++l) st[l] = mt[l];
     sum_lanes_by_halving<L>(st);
     sum_lanes_by_halving<L>(qt);
-    const PD avg = pdiv(pload<PD>(st), pset1<PD>(static_cast<double>(L)));
+    const PD avg = pdiv(st[0], pset1<PD>(static_cast<double>(L)));
     for (int l = 0; l < L; ++l) {
-      const PD e = psub(pload<PD>(mt + l * R), avg);
-      pstore(mt + l * R, pmul(e, e));
+      const PD e = psub(mt[l], avg);
+      mt[l] = pmul(e, e);
     }
     sum_lanes_by_halving<L>(mt);
     const PD k = pset1<PD>(static_cast<double>(packets));
     pstore(mu, avg);
-    pstore(q, padd(pload<PD>(qt), pmul(k, pload<PD>(mt))));
+    pstore(q, padd(qt[0], pmul(k, mt[0])));
   }
   // 4. Rows without a full packet (n < L): two-pass in double per row.
   if (packets == 0) {
@@ -832,15 +877,14 @@ void short_rows_sum_squares(const T* const* rows, Index n, double* out) {
       acc[r] = pmadd(v, v, acc[r]);
     }
   }
-  alignas(64) double st[L * R];
-  for (int r = 0; r < R; ++r) {
-    alignas(64) T a[L];
-    pstore(a, acc[r]);
-    for (int l = 0; l < L; ++l) st[l * R + r] = static_cast<double>(a[l]);
-  }
+  using PD = typename simd<double>::Packet;
+  PD st[L];
+  widen_transposed<R>(acc, st);
   sum_lanes_by_halving<L>(st);
+  alignas(64) double sum[R];
+  pstore(sum, st[0]);
   for (int r = 0; r < R; ++r) {
-    double total = st[r];
+    double total = sum[r];
     for (Index j = packets * L; j < n; ++j) total += static_cast<double>(rows[r][j]) * static_cast<double>(rows[r][j]);
     out[r] = total;
   }
