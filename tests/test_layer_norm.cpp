@@ -455,6 +455,33 @@ TYPED_TEST(LayerNormTest, ZeroRowsDoNothingAndNonFiniteStaysInItsRow) {
   }
 }
 
+// Short rows take their statistics and coefficients a group at a time; a
+// group with a row whose squares overflow (or with a non-finite row) goes
+// row by row instead. Either way every row gets the bits it gets alone.
+TYPED_TEST(LayerNormTest, ExtremeRowLeavesItsGroupsBitsAlone) {
+  using T = TypeParam;
+  const T huge = std::is_same<T, float>::value ? T(1e25) : T(1e200);
+  for (Index n : {Index(16), Index(50), Index(64), Index(300)}) {
+    for (T bad : {huge, std::numeric_limits<T>::quiet_NaN()}) {
+      SCOPED_TRACE(::testing::Message() << "n " << n << " bad " << bad);
+      const Index rows = 19;
+      LayerNorm<T> ln(LayerNormOptions({n}));
+      randomize_params(ln, 4);
+      auto xl = randn<T>(static_cast<std::size_t>(rows * n), 12, 1.0, 2.0);
+      for (Index j = 0; j < n; ++j) xl[static_cast<std::size_t>(3 * n + j)] *= huge;
+      xl[static_cast<std::size_t>(11 * n + 7)] = bad;
+      MapC<T, Eigen::RowMajor> x(xl.data(), rows, n);
+      Mat<T, Eigen::RowMajor> y = ln(x);
+      for (Index r = 0; r < rows; ++r) {
+        MapC<T, Eigen::RowMajor> xr(xl.data() + r * n, 1, n);
+        Mat<T, Eigen::RowMajor> yr = ln(xr);
+        for (Index j = 0; j < n; ++j) ASSERT_EQ(std::memcmp(&yr(0, j), &y(r, j), sizeof(T)), 0) << "row " << r << " j " << j;
+      }
+      for (Index j = 0; j < n; ++j) EXPECT_TRUE(std::isfinite(y(3, j)));
+    }
+  }
+}
+
 TEST(LayerNormTensor, RankThreeTensorAndConstMap) {
   const Index B = 2, S = 5, H = 24;
   Eigen::Tensor<float, 3, Eigen::RowMajor> x(B, S, H);
@@ -482,7 +509,7 @@ namespace {
 TEST(LayerNormExtremes, HugeAndTinyFloatRows) {
   using nctest::randn;
   for (double scale : {1e25, 1e30, 1e-25}) {
-    for (Index n : {Index(7), Index(768)}) {
+    for (Index n : {Index(7), Index(50), Index(768)}) {
       for (int layout = 0; layout < 2; ++layout) {
         SCOPED_TRACE(::testing::Message() << "scale " << scale << " n " << n << " layout " << layout);
         const Index rows = 3;

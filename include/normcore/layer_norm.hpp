@@ -358,7 +358,7 @@ class LayerNorm {
                     const T* b, bool streaming = false) const {
     const Index group =
         detail::forward_group(streaming, n, sizeof(T), kCoeffGroup, detail::kShortMomentsValues<T>);
-    detail::NormCoeffs<T> k[kCoeffGroup];
+    detail::CoeffGroup<T> k;
     const bool stream = streaming && detail::can_stream_rows(x, out, n, count);
     for (Index r0 = 0; r0 < count; r0 += group) {
       const Index m = std::min(group, count - r0);
@@ -384,9 +384,34 @@ class LayerNorm {
   // the backward's recomputation get their statistics, so they agree bit
   // for bit.
   static constexpr Index kCoeffGroup = 8;
+  static_assert(kCoeffGroup == detail::kInvSqrtGroup, "a group of rows is one CoeffGroup");
+  // Short rows (detail::kShortMomentsValues), whose moments come a group at
+  // a time: their coefficients too, in arrays (detail::coeffs_group), unless
+  // a row needs the exact path; then row by row, as longer rows.
+  void row_coeffs(const T* x, Index n, Index count, detail::CoeffGroup<T>& k) const {
+    if (n > 0 && n < detail::kShortMomentsValues<T>) {
+      alignas(64) double mu[kCoeffGroup];
+      alignas(64) double q[kCoeffGroup];
+      alignas(64) T pivot[kCoeffGroup];
+      detail::short_rows_moments_split<kCoeffGroup>(x, n, n, count, mu, q);
+      for (Index i = 0; i < kCoeffGroup; ++i) pivot[i] = x[std::min(i, count - 1) * n];
+      if (detail::moments_all_fine<T>(mu, q, n, options_.eps())) {
+        detail::coeffs_group(pivot, mu, q, n, options_.eps(), k);
+        return;
+      }
+    }
+    detail::NormCoeffs<T> c[kCoeffGroup];
+    row_coeffs(x, n, count, c);
+    for (Index i = 0; i < count; ++i) {
+      k.mean[i] = c[i].mean;
+      k.rstd[i] = c[i].rstd;
+      k.pivot[i] = c[i].pivot;
+      k.shift[i] = c[i].shift;
+    }
+  }
   void row_coeffs(const T* x, Index n, Index count, detail::NormCoeffs<T>* k) const {
     Welford<double> w[kCoeffGroup];
-    T pivot[kCoeffGroup];
+    T pivot[kCoeffGroup] = {};
     rows_moments(x, n, n, count, w);
     for (Index i = 0; i < count; ++i) pivot[i] = x[i * n];
     coeffs_from_moments(x, n, count, pivot, w, k);

@@ -462,7 +462,7 @@ EIGEN_ALWAYS_INLINE void sum_lanes_by_halving(PD* a) {
 ///      ISA.
 ///   4. Rows shorter than one packet: two-pass in double.
 template <typename T, typename Packet = typename narrow_simd<T>::Packet>
-void short_rows_moments(const T* const* rows, Index n, Welford<double>* out) {
+void short_rows_moments(const T* const* rows, Index n, double* mu, double* q) {
   using namespace Eigen::internal;
   using PD = typename simd<double>::Packet;
   constexpr int L = unpacket_traits<Packet>::size;
@@ -500,8 +500,6 @@ void short_rows_moments(const T* const* rows, Index n, Welford<double>* out) {
       m2[r] = pmadd(delta, psub(d, mean[r]), m2[r]);
     }
   }
-  alignas(64) double mu[R];
-  alignas(64) double q[R];
   if (lane_tail) {
     // 2'. As 2 and 3 below with unequal lane counts: mean = sum c_l mean_l / n,
     //     M2 = sum M2_l + sum c_l (mean_l - mean)^2, the lanes summed by
@@ -523,8 +521,8 @@ void short_rows_moments(const T* const* rows, Index n, Welford<double>* out) {
       mt[l] = pmul(c, pmul(e, e));
     }
     sum_lanes_by_halving<L>(mt);
-    pstore(mu, avg);
-    pstore(q, padd(qt[0], mt[0]));
+    pstoreu(mu, avg);
+    pstoreu(q, padd(qt[0], mt[0]));
   } else if (packets > 0) {
     // 2. Widen and transpose: mt[l] holds lane l of every row.
     PD mt[L];
@@ -544,8 +542,8 @@ void short_rows_moments(const T* const* rows, Index n, Welford<double>* out) {
     }
     sum_lanes_by_halving<L>(mt);
     const PD k = pset1<PD>(static_cast<double>(packets));
-    pstore(mu, avg);
-    pstore(q, padd(qt[0], pmul(k, mt[0])));
+    pstoreu(mu, avg);
+    pstoreu(q, padd(qt[0], pmul(k, mt[0])));
   }
   // 4. Rows without a full packet (n < L): two-pass in double per row.
   if (packets == 0) {
@@ -567,10 +565,35 @@ void short_rows_moments(const T* const* rows, Index n, Welford<double>* out) {
       }
       tq[r] = qq;
     }
-    pstore(mu, pload<PD>(tm));
-    pstore(q, pload<PD>(tq));
+    pstoreu(mu, pload<PD>(tm));
+    pstoreu(q, pload<PD>(tq));
   }
+}
+
+/// short_rows_moments as Welford states.
+template <typename T>
+void short_rows_moments(const T* const* rows, Index n, Welford<double>* out) {
+  constexpr int R = simd<double>::L;
+  alignas(64) double mu[R];
+  alignas(64) double q[R];
+  short_rows_moments(rows, n, mu, q);
   for (int r = 0; r < R; ++r) out[r] = Welford<double>(static_cast<double>(n), mu[r], q[r]);
+}
+
+/// Moments of `count` <= G short rows (0 < n < kShortMomentsValues), row r
+/// at x + r * ld, as rows_moments computes them but split into their means
+/// (shifted by the row's first value) and M2s: mu[r], q[r] for r < G, the
+/// rows past `count` repeating the last one. G: a multiple of
+/// simd<double>::L.
+template <int G, typename T>
+void short_rows_moments_split(const T* x, Index n, Index ld, Index count, double* mu, double* q) {
+  constexpr int R = simd<double>::L;
+  static_assert(G % R == 0, "whole groups");
+  for (int r0 = 0; r0 < G; r0 += R) {
+    const T* rows[R];
+    for (int r = 0; r < R; ++r) rows[r] = x + std::min<Index>(r0 + r, count - 1) * ld;
+    short_rows_moments(rows, n, mu + r0, q + r0);
+  }
 }
 
 }  // namespace detail

@@ -73,6 +73,65 @@ NormCoeffs<T> norm_coeffs_r(T pivot, double mean_shift, double var, double r) {
   return c;
 }
 
+/// The coefficients of a group of kInvSqrtGroup rows, one array each.
+template <typename T>
+struct CoeffGroup {
+  alignas(64) T mean[kInvSqrtGroup];
+  alignas(64) T rstd[kInvSqrtGroup];
+  alignas(64) T pivot[kInvSqrtGroup];
+  alignas(64) T shift[kInvSqrtGroup];
+  NormCoeffs<T> operator[](Index i) const { return NormCoeffs<T>{mean[i], rstd[i], pivot[i], shift[i]}; }
+};
+
+/// Whether every row of a group can take coeffs_group: its moments (mean
+/// mu[i] and M2 q[i] of n values) are finite and needs_exact_moments would
+/// not send it to the exact path.
+template <typename T>
+bool moments_all_fine(const double* mu, const double* q, Index n, double eps) {
+  constexpr double kSafeLow = static_cast<double>(std::numeric_limits<T>::min()) *
+                              static_cast<double>(1ULL << std::numeric_limits<T>::digits);
+  constexpr double kMax = std::numeric_limits<double>::max();
+  const bool tiny_eps = eps < kSafeLow * 1e7;
+  const double low = kSafeLow * static_cast<double>(n);
+  bool fine = true;
+  for (int i = 0; i < kInvSqrtGroup; ++i)
+    fine &= std::fabs(mu[i]) <= kMax && std::fabs(q[i]) <= kMax && !(tiny_eps && q[i] < low);
+  return fine;
+}
+
+/// norm_coeffs_r(pivot[i], mu[i], var, 1 / sqrt(var + eps)) with var =
+/// q[i] / n (Welford<double>::variance), for the kInvSqrtGroup rows of a
+/// group at once: the same operations lane by lane, in loops of fixed
+/// length the compiler vectorizes, so the same bits as row by row (IEEE
+/// division and square root are correctly rounded; nothing here can be
+/// contracted into a multiply-add).
+template <typename T>
+void coeffs_group(const T* pivot, const double* mu, const double* q, Index n, double eps, CoeffGroup<T>& k) {
+  using namespace Eigen::internal;
+  using PD = typename narrow_simd<double>::Packet;  // a correctly rounded psqrt (inv_sqrt_eps)
+  constexpr int LD = narrow_simd<double>::L;
+  constexpr int G = kInvSqrtGroup;
+  alignas(64) double vars[G];
+  alignas(64) double rs[G];
+  const PD one = pset1<PD>(1.0), pe = pset1<PD>(eps), pn = pset1<PD>(static_cast<double>(n));
+  for (int i = 0; i < G; i += LD) {
+    const PD v = pdiv(ploadu<PD>(q + i), pn);
+    pstore(vars + i, v);
+    pstore(rs + i, pdiv(one, psqrt(padd(v, pe))));
+  }
+  for (int i = 0; i < G; ++i) {
+    const double var = vars[i];
+    const double r = rs[i];
+    const double mean = static_cast<double>(pivot[i]) + mu[i];
+    k.mean[i] = static_cast<T>(mean);
+    k.rstd[i] = static_cast<T>(r);
+    const bool shifted = !(std::fabs(mean) * r <= 1.0) || var == 0.0;
+    k.pivot[i] = shifted ? k.mean[i] : T(0);
+    const double rest = static_cast<double>(pivot[i] - k.pivot[i]) + mu[i];
+    k.shift[i] = static_cast<T>(rest * static_cast<double>(k.rstd[i]));
+  }
+}
+
 /// norm_coeffs_r with r computed here, for one row or channel.
 template <typename T>
 NormCoeffs<T> norm_coeffs(T pivot, double mean_shift, double var, double eps) {
