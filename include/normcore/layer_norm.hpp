@@ -380,9 +380,12 @@ class LayerNorm {
   }
 
   // Normalization coefficients of count <= kCoeffGroup contiguous rows of
-  // n values (pivot: each row's first value). The one place the forward and
-  // the backward's recomputation get their statistics, so they agree bit
-  // for bit.
+  // n values (pivot: each row's first value). row_coeffs(..., CoeffGroup&)
+  // is the one place the forward and the backward's recomputation get their
+  // statistics, so they agree bit for bit. Its group path (coeffs_group,
+  // moments_all_fine) repeats the operations of the row-by-row one below
+  // (norm_coeffs_r, needs_exact_moments); LayerNormTest's
+  // ExtremeRowLeavesItsGroupsBitsAlone checks the two give the same bits.
   static constexpr Index kCoeffGroup = 8;
   static_assert(kCoeffGroup == detail::kInvSqrtGroup, "a group of rows is one CoeffGroup");
   // Short rows (detail::kShortMomentsValues), whose moments come a group at
@@ -577,7 +580,7 @@ class LayerNorm {
       detail::run_parts(device, parts, [&](Index p) {
         const Index r0 = gsplit.begin(psplit.begin(p)), r1 = gsplit.begin(psplit.begin(p + 1));
         std::vector<T> row(wide ? static_cast<std::size_t>(n) : 0);
-        detail::NormCoeffs<T> k[kCoeffGroup];
+        detail::CoeffGroup<T> k;
         for (Index r = r0; r < r1;) {
           Index m = 1;
           if constexpr (wide) {
@@ -592,11 +595,13 @@ class LayerNorm {
             lane_moments(xv.data + r, rows, n, Index(1), &piv, &w);
             if (detail::needs_exact_moments(w, xv.data + r, n, rows, options_.eps()))
               w = exact_moments(xv.data + r, n, rows, piv);
-            k[0] = detail::norm_coeffs<T>(piv, w.mean(), w.variance(), options_.eps());
+            const auto c = detail::norm_coeffs<T>(piv, w.mean(), w.variance(), options_.eps());
+            k.mean[0] = c.mean;
+            k.rstd[0] = c.rstd;
           }
           for (Index i = 0; i < m; ++i, ++r) {
-            sm[r] = k[i].mean;
-            sr[r] = k[i].rstd;
+            sm[r] = k.mean[i];
+            sr[r] = k.rstd[i];
           }
         }
       });

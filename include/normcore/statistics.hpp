@@ -26,6 +26,7 @@
 #include <cmath>
 #include <cstddef>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include <Eigen/Core>
@@ -369,10 +370,11 @@ inline void prefetch_span(const void* p, Index bytes) {
   for (Index off = 0; off < bytes; off += 64) Eigen::internal::prefetch(c + off);
 }
 
-/// Whether this build widens packets of T to double in registers (x86:
-/// every packet short_rows_moments takes whose lane count is a multiple of
-/// simd<double>::L), with widen_lanes(a, out): out[i] holds lanes
-/// i * R .. i * R + R - 1 of a as doubles (R = simd<double>::L).
+/// widen_lanes(a, out): the lanes of a as doubles, out[i] holding lanes
+/// i * R .. i * R + R - 1 (R = simd<double>::L), in registers. x86 builds
+/// have it for narrow_simd<float>'s packet and for simd<double>'s (as is);
+/// kWidenInRegisters says whether the build has any (widen_transposed also
+/// checks that the packet at hand has one).
 #if defined(EIGEN_VECTORIZE_SSE2)
 constexpr bool kWidenInRegisters = true;
 template <typename PD>
@@ -405,6 +407,18 @@ constexpr bool kWidenInRegisters = false;
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wignored-attributes"
 #endif
+/// Whether widen_lanes takes a Packet (into simd<double> packets).
+template <typename Packet>
+constexpr auto has_widen_lanes(int)
+    -> decltype(widen_lanes(std::declval<const Packet&>(), static_cast<typename simd<double>::Packet*>(nullptr)),
+                bool()) {
+  return true;
+}
+template <typename Packet>
+constexpr bool has_widen_lanes(...) {
+  return false;
+}
+
 /// out[l] = lane l of in[0..R), widened to double (R = simd<double>::L
 /// rows of L lanes, transposed to lane-major). Exact: widening and moving
 /// values round nothing, so either route gives the same bits. In registers
@@ -415,7 +429,7 @@ EIGEN_ALWAYS_INLINE void widen_transposed(const Packet* in, PD* out) {
   using namespace Eigen::internal;
   using T = typename unpacket_traits<Packet>::type;
   constexpr int L = unpacket_traits<Packet>::size;
-  if constexpr (kWidenInRegisters && R > 1 && L % R == 0) {
+  if constexpr (kWidenInRegisters && R > 1 && L % R == 0 && has_widen_lanes<Packet>(0)) {
     PD w[R][L / R];
     for (int r = 0; r < R; ++r) widen_lanes(in[r], w[r]);
     for (int b = 0; b < L / R; ++b) {
@@ -590,6 +604,13 @@ void short_rows_moments_split(const T* x, Index n, Index ld, Index count, double
   constexpr int R = simd<double>::L;
   static_assert(G % R == 0, "whole groups");
   for (int r0 = 0; r0 < G; r0 += R) {
+    if (r0 >= count) {  // a whole group of padding: the last row's results, as computed
+      for (int r = r0; r < r0 + R; ++r) {
+        mu[r] = mu[count - 1];
+        q[r] = q[count - 1];
+      }
+      continue;
+    }
     const T* rows[R];
     for (int r = 0; r < R; ++r) rows[r] = x + std::min<Index>(r0 + r, count - 1) * ld;
     short_rows_moments(rows, n, mu + r0, q + r0);
