@@ -417,13 +417,11 @@ class BatchNorm {
       });
     }
     // Channels whose squares left T's range: exact two-pass in long double.
-    constexpr double kSafeLow = static_cast<double>(std::numeric_limits<T>::min()) *
-                                static_cast<double>(1ULL << std::numeric_limits<T>::digits);
     const double n = static_cast<double>(v.outer * v.inner);
     for (Index c = 0; c < C; ++c) {
       auto& wc = w[static_cast<std::size_t>(c)];
       const bool bad = !(std::isfinite(wc.m2()) && std::isfinite(wc.mean())) ||
-                       (wc.m2() < kSafeLow * n && options_.eps() < kSafeLow * 1e7);
+                       detail::m2_underflowed<T>(wc.m2(), n, options_.eps());
       if (!bad) continue;
       const long double p = pivot[static_cast<std::size_t>(c)];
       long double sum = 0;

@@ -75,9 +75,7 @@ using rstd_t = std::conditional_t<(std::numeric_limits<T>::digits < 53), double,
 /// to underflow: rstd follows from it directly.
 template <typename T>
 bool rms_sum_in_range(double sum_sq) {
-  constexpr double kSafeLow = static_cast<double>(std::numeric_limits<T>::min()) *
-                              static_cast<double>(1ULL << std::numeric_limits<T>::digits);
-  return std::isfinite(sum_sq) && sum_sq >= kSafeLow;
+  return std::isfinite(sum_sq) && sum_sq >= detail::kSafeLow<T>;
 }
 
 template <typename T>

@@ -25,6 +25,7 @@
 #include <array>
 #include <cmath>
 #include <cstddef>
+#include <limits>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -990,17 +991,26 @@ Welford<double> exact_moments(const T* x, Index n, Index stride, T pivot) {
 
 namespace detail {
 
+/// The smallest value whose terms of T kept every bit: T's smallest
+/// normal times 2^digits. A sum of squares under it lost bits to underflow.
+template <typename T>
+inline constexpr double kSafeLow = static_cast<double>(std::numeric_limits<T>::min()) *
+                                   static_cast<double>(1ULL << std::numeric_limits<T>::digits);
+
+/// Whether a finite M2 of `count` values accumulated in T is so small that
+/// its terms lost bits to underflow and eps is too small to hide that (the
+/// exact path then takes the values again).
+template <typename T>
+bool m2_underflowed(double m2, double count, double eps) {
+  return m2 < kSafeLow<T> * count && eps < kSafeLow<T> * 1e7;
+}
+
 /// True when a row's SIMD moments (M2 accumulated in T) cannot be trusted:
-/// M2 overflowed while the values are finite, or it is so small that its
-/// terms lost bits to underflow and eps is too small to hide that.
+/// M2 overflowed while the values are finite, or m2_underflowed.
 template <typename T>
 bool needs_exact_moments(const Welford<double>& w, const T* x, Index n, Index stride, double eps) {
-  constexpr double kSafeLow = static_cast<double>(std::numeric_limits<T>::min()) *
-                              static_cast<double>(1ULL << std::numeric_limits<T>::digits);
   const double m2 = w.m2();
-  if (std::isfinite(m2) && std::isfinite(w.mean())) {
-    return m2 < kSafeLow * static_cast<double>(n) && eps < kSafeLow * 1e7;
-  }
+  if (std::isfinite(m2) && std::isfinite(w.mean())) return m2_underflowed<T>(m2, static_cast<double>(n), eps);
   return std::isfinite(max_abs(x, n, stride));  // non-finite input: NaN is the answer
 }
 

@@ -88,14 +88,11 @@ struct CoeffGroup {
 /// not send it to the exact path.
 template <typename T>
 bool moments_all_fine(const double* mu, const double* q, Index n, double eps) {
-  constexpr double kSafeLow = static_cast<double>(std::numeric_limits<T>::min()) *
-                              static_cast<double>(1ULL << std::numeric_limits<T>::digits);
   constexpr double kMax = std::numeric_limits<double>::max();
-  const bool tiny_eps = eps < kSafeLow * 1e7;
-  const double low = kSafeLow * static_cast<double>(n);
   bool fine = true;
   for (int i = 0; i < kInvSqrtGroup; ++i)
-    fine &= std::fabs(mu[i]) <= kMax && std::fabs(q[i]) <= kMax && !(tiny_eps && q[i] < low);
+    fine &= std::fabs(mu[i]) <= kMax && std::fabs(q[i]) <= kMax &&
+            !m2_underflowed<T>(q[i], static_cast<double>(n), eps);
   return fine;
 }
 
