@@ -611,6 +611,7 @@ class LayerNorm {
     const std::size_t gn = static_cast<std::size_t>(groups * n);
     std::vector<double> dw_part(dweight ? gn : 0, 0.0), db_part(dbias ? gn : 0, 0.0);
     const bool stream_dx = xv.row_major && detail::stream_gradient<S, T>(xv.data, dyp, dhp, dxp, rows, n);
+    const bool ahead = detail::prefetch_next_row<T>(detail::streaming_input<S, T>(rows, n), n);
     const auto prm = detail::param_ptrs<T>(weight_, Eigen::Tensor<P, 1>());
     const auto pv = detail::param_view(!xv.row_major, options_.normalized_shape(), prm.gamma,
                                        static_cast<const T*>(nullptr), n);
@@ -643,7 +644,7 @@ class LayerNorm {
           const auto rows_of = [&](auto stream) {
             backward_rows<decltype(stream)::value>(xv.data + r0 * n, dyp + r0 * n, dxp ? dxp + r0 * n : nullptr,
                                                    r1 - r0, n, mean + r0, rstd + r0, pv.gamma, dw, db,
-                                                   dhp ? dhp + r0 * n : nullptr, acc);
+                                                   dhp ? dhp + r0 * n : nullptr, acc, ahead);
           };
           if (stream_dx) {
             rows_of(std::true_type());
@@ -705,7 +706,7 @@ class LayerNorm {
   template <bool Stream = false>
   static void backward_rows(const T* x, const T* dy, T* dx, Index rows, Index n, const T* mean,
                             const T* rstd, const T* gamma, double* dw, double* db, const T* dh,
-                            GradAcc& acc) {
+                            GradAcc& acc, bool ahead = false) {
     using namespace Eigen::internal;
     using Packet = typename detail::simd<T>::Packet;
     constexpr int L = detail::simd<T>::L;
@@ -761,7 +762,12 @@ class LayerNorm {
         const Packet pr = pset1<Packet>(rs), p3 = pset1<Packet>(k3), p4 = pset1<Packet>(k4),
                      pxs = pset1<Packet>(xs);
         j = 0;
+        const bool next = ahead && r + 1 < rows;  // detail::prefetch_next_row
         for (; j + L <= n; j += L) {
+          if (next && (L >= detail::kLineValues<T> || j % detail::kLineValues<T> == 0)) {
+            detail::prefetch_l2(xr + n + j);
+            detail::prefetch_l2(gr + n + j);
+          }
           const Packet dyv = ploadu<Packet>(gr + j);
           const Packet d = psub(ploadu<Packet>(xr + j), pp);
           const Packet xh = pmadd(d, pr, pxs);

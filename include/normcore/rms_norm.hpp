@@ -556,6 +556,7 @@ class RMSNorm {
     const T* g = pv.gamma;
     std::vector<double> dw_part(dweight ? static_cast<std::size_t>(groups * n) : 0, 0.0);
     const bool stream_dx = xv.row_major && detail::stream_gradient<S, T>(xv.data, dyp, dhp, dx, rows, n);
+    const bool ahead = detail::prefetch_next_row<T>(detail::streaming_input<S, T>(rows, n), n);
 
     detail::run_parts(device, parts, [&](Index p) {
       const Index sb = wide ? detail::backward_stage_rows(n, kRowBlock) : 0;
@@ -605,9 +606,9 @@ class RMSNorm {
               rows_rstd(bx, n, m, r.data());
             }
             if (!wide && stream_dx) {
-              backward_rows<true>(bx, bdy, bdx, m, n, r.data(), g, dwp, bdh, gacc);
+              backward_rows<true>(bx, bdy, bdx, m, n, r.data(), g, dwp, bdh, gacc, ahead);
             } else {
-              backward_rows<false>(bx, bdy, bdx, m, n, r.data(), g, dwp, bdh, gacc);
+              backward_rows<false>(bx, bdy, bdx, m, n, r.data(), g, dwp, bdh, gacc, !wide && ahead);
             }
             if constexpr (wide) {
               if (dx) detail::convert_n(bdx, dx + b0 * n, m * n);
@@ -655,7 +656,7 @@ class RMSNorm {
 
   template <bool Stream>
   static void backward_rows(const T* x, const T* dy, T* dx, Index count, Index n, const W* r,
-                            const T* g, double* dwp, const T* dh, GradAcc& gacc) {
+                            const T* g, double* dwp, const T* dh, GradAcc& gacc, bool ahead = false) {
     using namespace Eigen::internal;
     using Packet = typename detail::simd<T>::Packet;
     constexpr int L = detail::simd<T>::L;
@@ -723,8 +724,13 @@ class RMSNorm {
           const T rt = static_cast<T>(ri);
           const T c = cs[i - i0];
           const Packet pr = pset1<Packet>(rt), pc = pset1<Packet>(c);
+          const bool next = ahead && i + 1 < count;  // detail::prefetch_next_row
           Index j = 0;
           for (; j + L <= n; j += L) {
+            if (next && (L >= detail::kLineValues<T> || j % detail::kLineValues<T> == 0)) {
+              detail::prefetch_l2(xr + n + j);
+              detail::prefetch_l2(gr + n + j);
+            }
             const Packet dyv = ploadu<Packet>(gr + j);
             const Packet xh = pmul(ploadu<Packet>(xr + j), pr);
             if (dx) {

@@ -371,6 +371,32 @@ inline void prefetch_span(const void* p, Index bytes) {
   for (Index off = 0; off < bytes; off += 64) Eigen::internal::prefetch(c + off);
 }
 
+/// Whether the row-wise backwards request the next row as they go
+/// (prefetch_l2 of its x and dy, a line for each line of the second pass):
+/// rows of at least kShortMomentsValues values of a streaming input. Each
+/// row's first pass reads it from memory and its second pass from L1, so
+/// without the requests no memory read is in flight during the second pass.
+/// Measured on Zen 4, LayerNorm backward on 4096x4096, 8192x2048 and
+/// 16384x4096: 0.77-0.85x the time (requests into L1: 0.87-0.93x).
+template <typename T>
+bool prefetch_next_row(bool streaming, Index n) {
+  return streaming && n >= kShortMomentsValues<T>;
+}
+
+/// Requests the cache line at p into the L2, not the L1 (which holds the
+/// row being worked on), where the compiler has the builtin.
+EIGEN_ALWAYS_INLINE void prefetch_l2(const void* p) {
+#if defined(__GNUC__) || defined(__clang__)
+  __builtin_prefetch(p, 0, 2);
+#else
+  Eigen::internal::prefetch(static_cast<const char*>(p));
+#endif
+}
+
+/// Values of T in a 64-byte cache line.
+template <typename T>
+constexpr Index kLineValues = Index(64 / sizeof(T));
+
 /// widen_lanes(a, out): the lanes of a as doubles, out[i] holding lanes
 /// i * R .. i * R + R - 1 (R = simd<double>::L), in registers. x86 builds
 /// have it for narrow_simd<float>'s packet and for simd<double>'s (as is);
