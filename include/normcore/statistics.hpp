@@ -378,7 +378,7 @@ inline void prefetch_span(const void* p, Index bytes) {
 /// without the requests no memory read is in flight during the second pass.
 /// Measured on Zen 4 on 4096x4096, 8192x2048 and 16384x4096: LayerNorm
 /// backward 0.69-0.84x the time, RMSNorm 0.70-0.79x (requests into the
-/// L1: 0.87-0.93x). Below the gate, 4-8 MB inputs gained in some sittings
+/// L1: 0.82-0.94x). Below the gate, 4-8 MB inputs gained in some sittings
 /// and not in others.
 template <typename T>
 bool prefetch_next_row(bool streaming, Index n) {
