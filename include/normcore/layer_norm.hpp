@@ -611,7 +611,7 @@ class LayerNorm {
     const std::size_t gn = static_cast<std::size_t>(groups * n);
     std::vector<double> dw_part(dweight ? gn : 0, 0.0), db_part(dbias ? gn : 0, 0.0);
     const bool stream_dx = xv.row_major && detail::stream_gradient<S, T>(xv.data, dyp, dhp, dxp, rows, n);
-    const bool ahead = detail::prefetch_next_row<T>(detail::streaming_input<S, T>(rows, n), n);
+    const bool ahead = detail::prefetch_next_row<S, T>(rows, n);
     const auto prm = detail::param_ptrs<T>(weight_, Eigen::Tensor<P, 1>());
     const auto pv = detail::param_view(!xv.row_major, options_.normalized_shape(), prm.gamma,
                                        static_cast<const T*>(nullptr), n);
@@ -764,10 +764,7 @@ class LayerNorm {
         j = 0;
         const bool next = ahead && r + 1 < rows;  // detail::prefetch_next_row
         for (; j + L <= n; j += L) {
-          if (next && (L >= detail::kLineValues<T> || j % detail::kLineValues<T> == 0)) {
-            detail::prefetch_l2(xr + n + j);
-            detail::prefetch_l2(gr + n + j);
-          }
+          if (next) detail::request_next_row<L>(xr + n, gr + n, j);
           const Packet dyv = ploadu<Packet>(gr + j);
           const Packet d = psub(ploadu<Packet>(xr + j), pp);
           const Packet xh = pmadd(d, pr, pxs);

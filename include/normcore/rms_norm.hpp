@@ -556,7 +556,7 @@ class RMSNorm {
     const T* g = pv.gamma;
     std::vector<double> dw_part(dweight ? static_cast<std::size_t>(groups * n) : 0, 0.0);
     const bool stream_dx = xv.row_major && detail::stream_gradient<S, T>(xv.data, dyp, dhp, dx, rows, n);
-    const bool ahead = detail::prefetch_next_row<T>(detail::streaming_input<S, T>(rows, n), n);
+    const bool ahead = detail::prefetch_next_row<S, T>(rows, n);
 
     detail::run_parts(device, parts, [&](Index p) {
       const Index sb = wide ? detail::backward_stage_rows(n, kRowBlock) : 0;
@@ -608,7 +608,7 @@ class RMSNorm {
             if (!wide && stream_dx) {
               backward_rows<true>(bx, bdy, bdx, m, n, r.data(), g, dwp, bdh, gacc, ahead);
             } else {
-              backward_rows<false>(bx, bdy, bdx, m, n, r.data(), g, dwp, bdh, gacc, !wide && ahead);
+              backward_rows<false>(bx, bdy, bdx, m, n, r.data(), g, dwp, bdh, gacc, ahead);
             }
             if constexpr (wide) {
               if (dx) detail::convert_n(bdx, dx + b0 * n, m * n);
@@ -727,10 +727,7 @@ class RMSNorm {
           const bool next = ahead && i + 1 < count;  // detail::prefetch_next_row
           Index j = 0;
           for (; j + L <= n; j += L) {
-            if (next && (L >= detail::kLineValues<T> || j % detail::kLineValues<T> == 0)) {
-              detail::prefetch_l2(xr + n + j);
-              detail::prefetch_l2(gr + n + j);
-            }
+            if (next) detail::request_next_row<L>(xr + n, gr + n, j);
             const Packet dyv = ploadu<Packet>(gr + j);
             const Packet xh = pmul(ploadu<Packet>(xr + j), pr);
             if (dx) {

@@ -380,9 +380,9 @@ inline void prefetch_span(const void* p, Index bytes) {
 /// backward 0.69-0.84x the time, RMSNorm 0.70-0.79x (requests into the
 /// L1: 0.82-0.94x). Below the gate, 4-8 MB inputs gained in some sittings
 /// and not in others.
-template <typename T>
-bool prefetch_next_row(bool streaming, Index n) {
-  return streaming && n >= kShortMomentsValues<T>;
+template <typename S, typename T>
+bool prefetch_next_row(Index rows, Index n) {
+  return streaming_input<S, T>(rows, n) && n >= kShortMomentsValues<T>;
 }
 
 /// Requests the cache line at p into the L2, not the L1 (which holds the
@@ -398,6 +398,17 @@ EIGEN_ALWAYS_INLINE void prefetch_l2(const void* p) {
 /// Values of T in a 64-byte cache line.
 template <typename T>
 constexpr Index kLineValues = Index(64 / sizeof(T));
+
+/// The second pass's request at value j of a row (packets of L values):
+/// prefetch_l2 of the lines holding value j of the next row's x and dy
+/// (x_next, dy_next), once per line.
+template <int L, typename T>
+EIGEN_ALWAYS_INLINE void request_next_row(const T* x_next, const T* dy_next, Index j) {
+  if (L >= kLineValues<T> || j % kLineValues<T> == 0) {
+    prefetch_l2(x_next + j);
+    prefetch_l2(dy_next + j);
+  }
+}
 
 /// widen_lanes(a, out): the lanes of a as doubles, out[i] holding lanes
 /// i * R .. i * R + R - 1 (R = simd<double>::L), in registers. x86 builds
