@@ -556,6 +556,7 @@ class LayerNorm {
     }
     constexpr int L = detail::simd<T>::L;
     constexpr bool wide = !std::is_same<S, T>::value;  // 16-bit RowMajor rows
+    constexpr bool staged = wide && !detail::packet_io<S, L>();
     const Index n = xv.cols, rows = xv.rows;
     // Fixed groups of rows (boundaries on kRowBlock, or on packets for
     // ColMajor), at most kGroups: parameter gradients are summed per group
@@ -616,16 +617,18 @@ class LayerNorm {
     const auto pv = detail::param_view(!xv.row_major, options_.normalized_shape(), prm.gamma,
                                        static_cast<const T*>(nullptr), n);
     detail::run_parts(device, parts, [&](Index p) {
-      // 16-bit rows: sub-blocks widened into float buffers (whole kRowBlock
-      // blocks when they are small, so the sums match the float path).
-      const Index sb = wide ? detail::backward_stage_rows(n, kRowBlock) : 0;
+      // 16-bit rows: each packet widened as it is loaded where the build
+      // converts whole packets (detail::packet_io); else sub-blocks widened
+      // into float buffers (whole kRowBlock blocks when they are small, so
+      // the sums match the float path).
+      const Index sb = staged ? detail::backward_stage_rows(n, kRowBlock) : 0;
       std::vector<T> buf(static_cast<std::size_t>(4 * sb * n));
       GradAcc acc(xv.row_major ? n : 0, dweight != nullptr, dbias != nullptr);
       for (Index gi = psplit.begin(p); gi < psplit.begin(p + 1); ++gi) {
         const Index r0 = gsplit.begin(gi), r1 = gsplit.begin(gi + 1);
         double* dw = dweight ? dw_part.data() + gi * n : nullptr;
         double* db = dbias ? db_part.data() + gi * n : nullptr;
-        if constexpr (wide) {
+        if constexpr (staged) {
           T* bx = buf.data();
           T* bdy = bx + sb * n;
           T* bdx = bdy + sb * n;
@@ -652,7 +655,7 @@ class LayerNorm {
             rows_of(std::false_type());
           }
           if (acc.rows) acc.flush(dw, db);
-        } else {
+        } else if constexpr (!wide) {  // (16-bit ColMajor inputs arrive widened)
           backward_colmajor(xv.data, dyp, dxp, rows, r0, r1, n, mean, rstd, pv.gamma, dw, db);
           if (dxp && dhp) {  // the residual gradient, added in a second pass
             for (Index j = 0; j < n; ++j)
@@ -703,13 +706,19 @@ class LayerNorm {
     }
   };
 
-  template <bool Stream = false>
-  static void backward_rows(const T* x, const T* dy, T* dx, Index rows, Index n, const T* mean,
-                            const T* rstd, const T* gamma, double* dw, double* db, const T* dh,
+  // S is T, or a 16-bit type (T float) where detail::packet_io says the
+  // build converts whole packets: each packet is widened as it is loaded and
+  // dx rounded as it is stored, the same values and bits as the rows widened
+  // into float buffers first.
+  template <bool Stream = false, typename S = T>
+  static void backward_rows(const S* x, const S* dy, S* dx, Index rows, Index n, const T* mean,
+                            const T* rstd, const T* gamma, double* dw, double* db, const S* dh,
                             GradAcc& acc, bool ahead = false) {
     using namespace Eigen::internal;
     using Packet = typename detail::simd<T>::Packet;
     constexpr int L = detail::simd<T>::L;
+    const auto ld = [](const S* q) { return detail::load_widened<Packet>(q); };
+    const auto v = [](S s) { return static_cast<T>(s); };
     // Raw pointers: through the vectors, every store would make the
     // compiler reload their data pointers.
     T* const accw = acc.w.data();
@@ -717,21 +726,21 @@ class LayerNorm {
     for (Index r0 = 0; r0 < rows;) {
       const Index r1 = std::min(rows, r0 + (kRowBlock - acc.rows));
       for (Index r = r0; r < r1; ++r) {
-        const T* xr = x + r * n;
-        const T* gr = dy + r * n;
+        const S* xr = x + r * n;
+        const S* gr = dy + r * n;
         const T p = mean[r];
         const T rs = rstd[r];
         const Packet pp = pset1<Packet>(p);
         Packet sg0 = pset1<Packet>(T(0)), sgd0 = sg0, sd0 = sg0, sg1 = sg0, sgd1 = sg0, sd1 = sg0;
         Index j = 0;
         for (; j + 2 * L <= n; j += 2 * L) {
-          Packet g0 = ploadu<Packet>(gr + j), g1 = ploadu<Packet>(gr + j + L);
+          Packet g0 = ld(gr + j), g1 = ld(gr + j + L);
           if (gamma) {
             g0 = pmul(g0, ploadu<Packet>(gamma + j));
             g1 = pmul(g1, ploadu<Packet>(gamma + j + L));
           }
-          const Packet d0 = psub(ploadu<Packet>(xr + j), pp);
-          const Packet d1 = psub(ploadu<Packet>(xr + j + L), pp);
+          const Packet d0 = psub(ld(xr + j), pp);
+          const Packet d1 = psub(ld(xr + j + L), pp);
           sg0 = padd(sg0, g0);
           sg1 = padd(sg1, g1);
           sgd0 = pmadd(g0, d0, sgd0);
@@ -740,9 +749,9 @@ class LayerNorm {
           sd1 = padd(sd1, d1);
         }
         for (; j + L <= n; j += L) {
-          Packet g0 = ploadu<Packet>(gr + j);
+          Packet g0 = ld(gr + j);
           if (gamma) g0 = pmul(g0, ploadu<Packet>(gamma + j));
-          const Packet d0 = psub(ploadu<Packet>(xr + j), pp);
+          const Packet d0 = psub(ld(xr + j), pp);
           sg0 = padd(sg0, g0);
           sgd0 = pmadd(g0, d0, sgd0);
           sd0 = padd(sd0, d0);
@@ -751,8 +760,8 @@ class LayerNorm {
         double sgd = static_cast<double>(predux(padd(sgd0, sgd1)));
         double sd = static_cast<double>(predux(padd(sd0, sd1)));
         for (; j < n; ++j) {
-          const double g = static_cast<double>(gamma ? gr[j] * gamma[j] : gr[j]);
-          const double d = static_cast<double>(xr[j] - p);
+          const double g = static_cast<double>(gamma ? v(gr[j]) * gamma[j] : v(gr[j]));
+          const double d = static_cast<double>(v(xr[j]) - p);
           sg += g;
           sgd += g * d;
           sd += d;
@@ -765,27 +774,31 @@ class LayerNorm {
         const bool next = ahead && r + 1 < rows;  // detail::prefetch_next_row
         for (; j + L <= n; j += L) {
           if (next) detail::request_next_row<L>(xr + n, gr + n, j);
-          const Packet dyv = ploadu<Packet>(gr + j);
-          const Packet d = psub(ploadu<Packet>(xr + j), pp);
+          const Packet dyv = ld(gr + j);
+          const Packet d = psub(ld(xr + j), pp);
           const Packet xh = pmadd(d, pr, pxs);
           if (dx) {
             const Packet g = gamma ? pmul(dyv, ploadu<Packet>(gamma + j)) : dyv;
-            Packet v = pmadd(g, pr, pnegate(pmadd(xh, p3, p4)));
-            if (dh) v = padd(v, ploadu<Packet>(dh + r * n + j));
-            detail::store_packet<Stream>(dx + r * n + j, v);
+            Packet o = pmadd(g, pr, pnegate(pmadd(xh, p3, p4)));
+            if (dh) o = padd(o, ld(dh + r * n + j));
+            if constexpr (std::is_same<S, T>::value) {
+              detail::store_packet<Stream>(dx + r * n + j, o);
+            } else {
+              detail::store_narrowed(dx + r * n + j, o);
+            }
           }
           if (dw) pstoreu(accw + j, pmadd(dyv, xh, ploadu<Packet>(accw + j)));
           if (db) pstoreu(accb + j, padd(dyv, ploadu<Packet>(accb + j)));
         }
         for (; j < n; ++j) {
-          const T xh = detail::madd(xr[j] - p, rs, xs);
+          const T xh = detail::madd(v(xr[j]) - p, rs, xs);
           if (dx) {
-            const T g = gamma ? gr[j] * gamma[j] : gr[j];
-            const T v = detail::madd(g, rs, -detail::madd(xh, k3, k4));
-            dx[r * n + j] = dh ? v + dh[r * n + j] : v;
+            const T g = gamma ? v(gr[j]) * gamma[j] : v(gr[j]);
+            const T o = detail::madd(g, rs, -detail::madd(xh, k3, k4));
+            dx[r * n + j] = static_cast<S>(dh ? o + v(dh[r * n + j]) : o);
           }
-          if (dw) accw[j] = detail::madd(gr[j], xh, accw[j]);
-          if (db) accb[j] += gr[j];
+          if (dw) accw[j] = detail::madd(v(gr[j]), xh, accw[j]);
+          if (db) accb[j] += v(gr[j]);
         }
       }
       acc.rows += r1 - r0;

@@ -538,6 +538,7 @@ class RMSNorm {
                      const S* dhp, Eigen::Tensor<P, 1>* dweight, const NormStats<T>* saved) const {
     constexpr int L = detail::simd<T>::L;
     constexpr bool wide = !std::is_same<S, T>::value;
+    constexpr bool staged = wide && !detail::packet_io<S, L>();
     if (dweight && !weight_.size()) {
       detail::fail(std::string(kWho) + ": dweight requested but the layer has no weight "
                                        "(elementwise_affine is false)");
@@ -559,24 +560,29 @@ class RMSNorm {
     const bool ahead = detail::prefetch_next_row<S, T>(rows, n);
 
     detail::run_parts(device, parts, [&](Index p) {
+      // 16-bit rows: each packet widened as it is loaded where the build
+      // converts whole packets (detail::packet_io), x staged only to
+      // recompute an rstd; else blocks of sb rows widened into float buffers.
       const Index sb = wide ? detail::backward_stage_rows(n, kRowBlock) : 0;
-      std::vector<T> buf(static_cast<std::size_t>(4 * sb * n));
+      std::vector<T> buf(static_cast<std::size_t>((staged ? 4 : wide ? 1 : 0) * sb * n));
       std::vector<W> r;
       GradAcc gacc(xv.row_major ? n : 0, dweight != nullptr);
       for (Index gi = psplit.begin(p); gi < psplit.begin(p + 1); ++gi) {
         const Index g0 = gsplit.begin(gi), g1 = gsplit.begin(gi + 1);
         double* dwp = dweight ? dw_part.data() + gi * n : nullptr;
         if (xv.row_major) {
-          // Sub-blocks: the whole group for T data; widened blocks of sb rows
-          // for 16-bit data.
+          // Sub-blocks: the whole group for T data; blocks of sb rows for
+          // 16-bit data.
           const Index step = wide ? sb : g1 - g0;
           for (Index b0 = g0; b0 < g1; b0 += step) {
             const Index m = std::min(step, g1 - b0);
-            const T* bx;
-            const T* bdy;
+            // The rows as T (staged, or T data) for rstd, and as the kernel
+            // reads them.
+            const T* bx = nullptr;
+            const T* bdy = nullptr;
             const T* bdh = nullptr;
             T* bdx = nullptr;
-            if constexpr (wide) {
+            if constexpr (staged) {
               T* wx = buf.data();
               T* wdy = wx + sb * n;
               T* wdx = wdy + sb * n;
@@ -588,29 +594,42 @@ class RMSNorm {
               bdy = wdy;
               bdx = dx ? wdx : nullptr;
               bdh = dhp ? wdh : nullptr;
-            } else {
+            } else if constexpr (!wide) {
               bx = xv.data + b0 * n;
               bdy = dyp + b0 * n;
               bdx = dx ? dx + b0 * n : nullptr;
               bdh = dhp ? dhp + b0 * n : nullptr;
             }
+            // x as T, widened only when an rstd must be recomputed.
+            const auto x_as_t = [&]() -> const T* {
+              if constexpr (wide && !staged) {
+                if (!bx) {
+                  detail::convert_n(xv.data + b0 * n, buf.data(), m * n);
+                  bx = buf.data();
+                }
+              }
+              return bx;
+            };
             // rstd: saved (a saturated one is recomputed exactly), or recomputed.
             r.resize(static_cast<std::size_t>(m));
             if (saved) {
               for (Index i = 0; i < m; ++i) {
                 W ri = static_cast<W>(saved->rstd(b0 + i));
-                if (!detail::normal_in<T>(ri)) ri = row_rstd(bx + i * n, n);
+                if (!detail::normal_in<T>(ri)) ri = row_rstd(x_as_t() + i * n, n);
                 r[static_cast<std::size_t>(i)] = ri;
               }
             } else {
-              rows_rstd(bx, n, m, r.data());
+              rows_rstd(x_as_t(), n, m, r.data());
             }
-            if (!wide && stream_dx) {
+            if constexpr (wide && !staged) {
+              backward_rows<false>(xv.data + b0 * n, dyp + b0 * n, dx ? dx + b0 * n : nullptr, m, n, r.data(), g,
+                                   dwp, dhp ? dhp + b0 * n : nullptr, gacc);
+            } else if (!wide && stream_dx) {
               backward_rows<true>(bx, bdy, bdx, m, n, r.data(), g, dwp, bdh, gacc, ahead);
             } else {
               backward_rows<false>(bx, bdy, bdx, m, n, r.data(), g, dwp, bdh, gacc, ahead);
             }
-            if constexpr (wide) {
+            if constexpr (staged) {
               if (dx) detail::convert_n(bdx, dx + b0 * n, m * n);
             }
           }
@@ -654,36 +673,42 @@ class RMSNorm {
     }
   };
 
-  template <bool Stream>
-  static void backward_rows(const T* x, const T* dy, T* dx, Index count, Index n, const W* r,
-                            const T* g, double* dwp, const T* dh, GradAcc& gacc, bool ahead = false) {
+  // S is T, or a 16-bit type (T float) where detail::packet_io says the
+  // build converts whole packets: each packet is widened as it is loaded and
+  // dx rounded as it is stored, the same values and bits as the rows widened
+  // into float buffers first.
+  template <bool Stream, typename S = T>
+  static void backward_rows(const S* x, const S* dy, S* dx, Index count, Index n, const W* r,
+                            const T* g, double* dwp, const S* dh, GradAcc& gacc, bool ahead = false) {
     using namespace Eigen::internal;
     using Packet = typename detail::simd<T>::Packet;
     constexpr int L = detail::simd<T>::L;
+    const auto ld = [](const S* q) { return detail::load_widened<Packet>(q); };
+    const auto v = [](S s) { return static_cast<T>(s); };
     T* const acc = gacc.w.data();  // a raw pointer: no reload after every store
     // sum(g * x) * rstd / n of row i, the constant of its dx.
     auto row_c = [&](Index i, T rt) {
-      const T* xr = x + i * n;
-      const T* gr = dy + i * n;
+      const S* xr = x + i * n;
+      const S* gr = dy + i * n;
       Packet s0 = pset1<Packet>(T(0)), s1 = s0;
       Index j = 0;
       for (; j + 2 * L <= n; j += 2 * L) {
-        Packet g0v = ploadu<Packet>(gr + j), g1v = ploadu<Packet>(gr + j + L);
+        Packet g0v = ld(gr + j), g1v = ld(gr + j + L);
         if (g) {
           g0v = pmul(g0v, ploadu<Packet>(g + j));
           g1v = pmul(g1v, ploadu<Packet>(g + j + L));
         }
-        s0 = pmadd(g0v, ploadu<Packet>(xr + j), s0);
-        s1 = pmadd(g1v, ploadu<Packet>(xr + j + L), s1);
+        s0 = pmadd(g0v, ld(xr + j), s0);
+        s1 = pmadd(g1v, ld(xr + j + L), s1);
       }
       for (; j + L <= n; j += L) {
-        Packet g0v = ploadu<Packet>(gr + j);
+        Packet g0v = ld(gr + j);
         if (g) g0v = pmul(g0v, ploadu<Packet>(g + j));
-        s0 = pmadd(g0v, ploadu<Packet>(xr + j), s0);
+        s0 = pmadd(g0v, ld(xr + j), s0);
       }
       double sgx = static_cast<double>(predux(padd(s0, s1)));
       for (; j < n; ++j)
-        sgx += static_cast<double>(g ? gr[j] * g[j] : gr[j]) * static_cast<double>(xr[j]);
+        sgx += static_cast<double>(g ? v(gr[j]) * g[j] : v(gr[j])) * static_cast<double>(v(xr[j]));
       return static_cast<T>(static_cast<double>(rt) * sgx / static_cast<double>(n));
     };
     // Short rows: the constants of a group of rows first, then their dx,
@@ -699,25 +724,25 @@ class RMSNorm {
         for (Index i = i0; i < i1; ++i)
           if (detail::normal_in<T>(r[i])) cs[i - i0] = row_c(i, static_cast<T>(r[i]));
         for (Index i = i0; i < i1; ++i) {
-          const T* xr = x + i * n;
-          const T* gr = dy + i * n;
+          const S* xr = x + i * n;
+          const S* gr = dy + i * n;
           const W ri = r[i];
           if (!detail::normal_in<T>(ri)) {
             long double sgx = 0;
             for (Index j = 0; j < n; ++j) {
-              const long double gj = static_cast<long double>(gr[j]) * (g ? static_cast<long double>(g[j]) : 1.0L);
-              sgx += gj * static_cast<long double>(xr[j]) * ri;
+              const long double gj = static_cast<long double>(v(gr[j])) * (g ? static_cast<long double>(g[j]) : 1.0L);
+              sgx += gj * static_cast<long double>(v(xr[j])) * ri;
             }
             const long double c = sgx / static_cast<long double>(n);
             for (Index j = 0; j < n; ++j) {
-              const long double xh = static_cast<long double>(xr[j]) * ri;
-              const long double gj = static_cast<long double>(gr[j]) * (g ? static_cast<long double>(g[j]) : 1.0L);
+              const long double xh = static_cast<long double>(v(xr[j])) * ri;
+              const long double gj = static_cast<long double>(v(gr[j])) * (g ? static_cast<long double>(g[j]) : 1.0L);
               if (dx) {
-                long double v = ri * (gj - xh * c);
-                if (dh) v += static_cast<long double>(dh[i * n + j]);
-                dx[i * n + j] = static_cast<T>(v);
+                long double o = ri * (gj - xh * c);
+                if (dh) o += static_cast<long double>(v(dh[i * n + j]));
+                dx[i * n + j] = static_cast<S>(static_cast<T>(o));
               }
-              if (dwp) dwp[j] += static_cast<double>(static_cast<long double>(gr[j]) * xh);
+              if (dwp) dwp[j] += static_cast<double>(static_cast<long double>(v(gr[j])) * xh);
             }
             continue;
           }
@@ -728,23 +753,27 @@ class RMSNorm {
           Index j = 0;
           for (; j + L <= n; j += L) {
             if (next) detail::request_next_row<L>(xr + n, gr + n, j);
-            const Packet dyv = ploadu<Packet>(gr + j);
-            const Packet xh = pmul(ploadu<Packet>(xr + j), pr);
+            const Packet dyv = ld(gr + j);
+            const Packet xh = pmul(ld(xr + j), pr);
             if (dx) {
               const Packet gv = g ? pmul(dyv, ploadu<Packet>(g + j)) : dyv;
-              Packet v = pmul(pr, psub(gv, pmul(xh, pc)));
-              if (dh) v = padd(v, ploadu<Packet>(dh + i * n + j));
-              detail::store_packet<Stream>(dx + i * n + j, v);
+              Packet o = pmul(pr, psub(gv, pmul(xh, pc)));
+              if (dh) o = padd(o, ld(dh + i * n + j));
+              if constexpr (std::is_same<S, T>::value) {
+                detail::store_packet<Stream>(dx + i * n + j, o);
+              } else {
+                detail::store_narrowed(dx + i * n + j, o);
+              }
             }
             if (dwp) pstoreu(acc + j, pmadd(dyv, xh, ploadu<Packet>(acc + j)));
           }
           for (; j < n; ++j) {
-            const T xh = xr[j] * rt;
+            const T xh = v(xr[j]) * rt;
             if (dx) {
-              const T v = rt * ((g ? gr[j] * g[j] : gr[j]) - xh * c);
-              dx[i * n + j] = dh ? v + dh[i * n + j] : v;
+              const T o = rt * ((g ? v(gr[j]) * g[j] : v(gr[j])) - xh * c);
+              dx[i * n + j] = static_cast<S>(dh ? o + v(dh[i * n + j]) : o);
             }
-            if (dwp) acc[j] = detail::madd(gr[j], xh, acc[j]);
+            if (dwp) acc[j] = detail::madd(v(gr[j]), xh, acc[j]);
           }
         }
       }
