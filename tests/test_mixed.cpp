@@ -170,15 +170,22 @@ std::vector<float> widened(const std::vector<S>& v) {
   return to32(v);
 }
 
-// RowMajor 16-bit rows are widened a block at a time; the result must be the
-// float path on the whole widened tensor, rounded once, bit for bit.
+// RowMajor 16-bit rows are read directly, each packet widened as it is
+// loaded (long rows, and every backward, where the build converts whole
+// packets), or widened a block at a time into float buffers; either way the
+// result must be the float path on the whole widened tensor, rounded once,
+// bit for bit. `scale` multiplies x: 1e25 and 1e-25 put the rows' squares
+// outside float's range, so their statistics take the exact paths, which
+// read the row again as float.
 template <typename S>
-void check_staged_equals_whole() {
+void check_staged_equals_whole(float scale = 1.0f) {
   for (Index n : {Index(1), Index(50), Index(64), Index(768), Index(5000)}) {
     for (Index rows : {Index(1), Index(7), Index(130)}) {
-      SCOPED_TRACE(::testing::Message() << rows << "x" << n);
+      SCOPED_TRACE(::testing::Message() << rows << "x" << n << " scale " << scale);
       const std::size_t N = static_cast<std::size_t>(rows * n);
-      const auto xs = to16<S>(randn<float>(N, 21, 3.0, 2.0));
+      auto xg = randn<float>(N, 21, 3.0, 2.0);
+      for (float& v : xg) v *= scale;
+      const auto xs = to16<S>(xg);
       const auto dys = to16<S>(randn<float>(N, 22));
       const auto dhs = to16<S>(randn<float>(N, 23));
       const auto xw = to32(xs), dyw = to32(dys), dhw = to32(dhs);
@@ -236,6 +243,10 @@ void check_staged_equals_whole() {
 
 TEST(Mixed, StagedBFloat16RowsEqualTheWholeTensorPath) { check_staged_equals_whole<Eigen::bfloat16>(); }
 TEST(Mixed, StagedHalfRowsEqualTheWholeTensorPath) { check_staged_equals_whole<Eigen::half>(); }
+TEST(Mixed, BFloat16RowsBeyondFloatSquaresEqualTheWholeTensorPath) {
+  check_staged_equals_whole<Eigen::bfloat16>(1e25f);
+  check_staged_equals_whole<Eigen::bfloat16>(1e-25f);
+}
 
 TEST(Mixed, ColMajorHalfIsTheFloatPathRoundedOnce) {
   const Index rows = 13, n = 40;

@@ -330,7 +330,15 @@ class LayerNorm {
     const bool streaming = detail::streaming_input<S, T>(rows, n);
     if (xv.row_major) {
       detail::run_parts(device, parts, [&](Index p) {
-        // 16-bit rows: widened a block at a time, normalized in float,
+        if constexpr (!std::is_same<S, T>::value && detail::packet_io<S, L>()) {
+          if (n >= detail::kShortMomentsValues<T>) {  // long 16-bit rows, read as they are
+            const Index b0 = split.begin(p);
+            forward_rows_widened(xv.data + b0 * n, out + b0 * n, n, split.begin(p + 1) - b0,
+                                 mean ? mean + b0 : nullptr, rstd ? rstd + b0 : nullptr, prm.gamma, prm.beta);
+            return;
+          }
+        }
+        // Other 16-bit rows: widened a block at a time, normalized in float,
         // rounded once on the way out.
         detail::rows_in_compute_type<T>(xv.data, out, n, split.begin(p), split.begin(p + 1),
                                         [&](const T* xb, T* yb, Index m, Index r0) {
@@ -379,6 +387,41 @@ class LayerNorm {
     if (stream) detail::stream_fence();
   }
 
+  // Long 16-bit rows (T float) where the build converts whole packets
+  // (detail::packet_io): forward_rows' groups on the rows themselves, each
+  // packet widened as it is read (detail::WidenValues) and y rounded as it
+  // is stored, instead of blocks widened into float buffers. The same
+  // statistics and bits as forward_rows on the widened rows.
+  template <typename S>
+  void forward_rows_widened(const S* x, S* out, Index n, Index count, T* mean, T* rstd, const T* g,
+                            const T* b) const {
+    const Index group = detail::rows_per_group(n, sizeof(T), kCoeffGroup);
+    std::vector<T> row;  // a row widened for the exact path
+    for (Index r0 = 0; r0 < count; r0 += group) {
+      const Index m = std::min(group, count - r0);
+      Welford<double> w[kCoeffGroup];
+      T pivot[kCoeffGroup] = {};
+      for (Index i = 0; i < m; ++i) {
+        const S* xr = x + (r0 + i) * n;
+        pivot[i] = static_cast<T>(xr[0]);
+        w[i] = detail::moments_of<T>(detail::WidenValues<S, T>{xr}, n, pivot[i]);
+      }
+      detail::NormCoeffs<T> k[kCoeffGroup];
+      coeffs_of_rows(
+          [&](Index i) {
+            row.resize(static_cast<std::size_t>(n));
+            detail::convert_n(x + (r0 + i) * n, row.data(), n);
+            return static_cast<const T*>(row.data());
+          },
+          n, m, pivot, w, k);
+      for (Index i = 0; i < m; ++i) {
+        if (mean) mean[r0 + i] = k[i].mean;
+        if (rstd) rstd[r0 + i] = k[i].rstd;
+        detail::normalize_values(detail::WidenValues<S, T>{x + (r0 + i) * n}, out + (r0 + i) * n, n, k[i], g, b);
+      }
+    }
+  }
+
   // Normalization coefficients of count <= kCoeffGroup contiguous rows of
   // n values (pivot: each row's first value). row_coeffs(..., CoeffGroup&)
   // is the one place the forward and the backward's recomputation get their
@@ -423,13 +466,25 @@ class LayerNorm {
   // values); x is read again only for rows whose moments left T's range.
   void coeffs_from_moments(const T* x, Index n, Index count, const T* pivot, Welford<double>* w,
                            detail::NormCoeffs<T>* k) const {
+    coeffs_of_rows([&](Index i) { return x + i * n; }, n, count, pivot, w, k);
+  }
+  // The same, row i as T from row_of(i), asked for only when its moments
+  // left T's range (16-bit rows are widened then).
+  template <typename RowOf>
+  void coeffs_of_rows(RowOf&& row_of, Index n, Index count, const T* pivot, Welford<double>* w,
+                           detail::NormCoeffs<T>* k) const {
     const double eps = options_.eps();
     static_assert(kCoeffGroup <= detail::kInvSqrtGroup, "one inv_sqrt_eps per group");
     double var[kCoeffGroup];
     double r[kCoeffGroup];
     for (Index i = 0; i < count; ++i) {
-      const T* xr = x + i * n;
-      if (detail::needs_exact_moments(w[i], xr, n, 1, eps)) w[i] = exact_moments(xr, n, 1, pivot[i]);
+      const double m2 = w[i].m2();
+      const bool fine = std::isfinite(m2) && std::isfinite(w[i].mean()) &&
+                        !detail::m2_underflowed<T>(m2, static_cast<double>(n), eps);
+      if (!fine) {  // (detail::needs_exact_moments, first test)
+        const T* xr = row_of(i);
+        if (detail::needs_exact_moments(w[i], xr, n, 1, eps)) w[i] = exact_moments(xr, n, 1, pivot[i]);
+      }
       var[i] = w[i].variance();
     }
     detail::inv_sqrt_eps(var, eps, count, r);

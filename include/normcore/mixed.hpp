@@ -17,23 +17,15 @@
 #include <vector>
 
 #include <unsupported/Eigen/CXX11/Tensor>
-#if defined(__F16C__) && defined(__AVX__)
-#include <immintrin.h>
-#define NORMCORE_F16C 1
-#endif
 
 #include "normcore/common.hpp"
+#include "normcore/detail/convert.hpp"
 #include "normcore/detail/stream.hpp"
 #include "normcore/detail/tensor.hpp"
 #include "normcore/parallel.hpp"
 
 namespace normcore {
 namespace detail {
-
-template <typename S>
-struct is_storage16
-    : std::integral_constant<bool, std::is_same<S, Eigen::bfloat16>::value ||
-                                       std::is_same<S, Eigen::half>::value> {};
 
 template <typename X>
 constexpr bool is_16bit() {
@@ -92,87 +84,6 @@ void convert_n(const S* src, D* dst, Index n) {
       }
     }
     for (; i < n; ++i) dst[i] = static_cast<D>(static_cast<float>(src[i]));
-  }
-}
-
-/// Whether this build converts whole packets of L floats to and from S one
-/// packet at a time (the packet loops of convert_n), for a 16-bit S; always
-/// true for float and double, which are their own compute type. Kernels that take 16-bit rows directly (widening each packet
-/// as it is loaded, rounding each one as it is stored) need it; without it,
-/// they stage rows in float buffers through convert_n.
-template <typename S, int L>
-constexpr bool packet_io() {
-  using namespace Eigen::internal;
-  if constexpr (std::is_same<S, float>::value || std::is_same<S, double>::value) {
-    return true;
-  } else if constexpr (!is_storage16<S>::value || L <= 1) {
-    return false;
-  } else {
-#ifdef NORMCORE_F16C
-    if constexpr (std::is_same<S, Eigen::half>::value) {
-#ifdef EIGEN_VECTORIZE_AVX512
-      return L == 8 || L == 16;
-#else
-      return L == 8;
-#endif
-    }
-#endif
-    // Otherwise Eigen's own conversions, wherever its packet of S is as wide
-    // (half only where F16C is not, as in convert_n).
-    return unpacket_traits<typename packet_traits<S>::type>::size == L;
-  }
-}
-
-/// L values stored as S at p, widened to a packet of floats (exact); a
-/// plain load when S is the packet's own type.
-template <typename Packet, typename S>
-EIGEN_ALWAYS_INLINE Packet load_widened(const S* p) {
-  using namespace Eigen::internal;
-  constexpr int L = unpacket_traits<Packet>::size;
-  if constexpr (std::is_same<S, typename unpacket_traits<Packet>::type>::value) {
-    return ploadu<Packet>(p);
-  } else {
-    static_assert(packet_io<S, L>(), "load_widened: no packet conversion from S in this build");
-#ifdef NORMCORE_F16C
-    if constexpr (std::is_same<S, Eigen::half>::value && L == 8) {
-      return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    }
-#ifdef EIGEN_VECTORIZE_AVX512
-    if constexpr (std::is_same<S, Eigen::half>::value && L == 16) {
-      return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-    }
-#endif
-#endif
-    using PS = typename packet_traits<S>::type;
-    return pcast<PS, Packet>(ploadu<PS>(p));
-  }
-}
-
-/// Rounds a packet of floats once (to nearest even) into L values of S at p;
-/// a plain store when S is the packet's own type.
-template <typename S, typename Packet>
-EIGEN_ALWAYS_INLINE void store_narrowed(S* p, const Packet& v) {
-  using namespace Eigen::internal;
-  constexpr int L = unpacket_traits<Packet>::size;
-  if constexpr (std::is_same<S, typename unpacket_traits<Packet>::type>::value) {
-    pstoreu(p, v);
-  } else {
-    static_assert(packet_io<S, L>(), "store_narrowed: no packet conversion to S in this build");
-#ifdef NORMCORE_F16C
-    if constexpr (std::is_same<S, Eigen::half>::value && L == 8) {
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-      return;
-    }
-#ifdef EIGEN_VECTORIZE_AVX512
-    if constexpr (std::is_same<S, Eigen::half>::value && L == 16) {
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
-                          _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-      return;
-    }
-#endif
-#endif
-    using PS = typename packet_traits<S>::type;
-    pstoreu(p, pcast<Packet, PS>(v));
   }
 }
 

@@ -301,22 +301,29 @@ class RMSNorm {
     for (Index r0 = 0; r0 < count; r0 += kRstdGroup) {
       const Index m = std::min(kRstdGroup, count - r0);
       rows_sum_squares(x + r0 * n, n, n, m, ss);
-      if constexpr (std::is_same<W, double>::value) {
-        // The common case, every row's sum in range: one vector sqrt and
-        // division for the group, the same bits as rms_rstd's.
-        bool plain = true;
-        double ms[kRstdGroup];
-        for (Index i = 0; i < m; ++i) {
-          plain = plain && detail::rms_sum_in_range<T>(ss[i]);
-          ms[i] = ss[i] / static_cast<double>(n);
-        }
-        if (plain) {
-          detail::inv_sqrt_eps(ms, eps_, m, r + r0);
-          continue;
-        }
-      }
-      for (Index i = 0; i < m; ++i) r[r0 + i] = detail::rms_rstd(x + (r0 + i) * n, n, 1, ss[i], eps_);
+      rstd_of_sums(ss, n, m, [&](Index i) { return x + (r0 + i) * n; }, r + r0);
     }
+  }
+  // rstd of m <= kRstdGroup rows from their sums of squares ss; row i as T
+  // from row_of(i), asked for only when its sum is out of range (16-bit
+  // rows are widened then).
+  template <typename RowOf>
+  void rstd_of_sums(const double* ss, Index n, Index m, RowOf&& row_of, W* r) const {
+    if constexpr (std::is_same<W, double>::value) {
+      // The common case, every row's sum in range: one vector sqrt and
+      // division for the group, the same bits as rms_rstd's.
+      bool plain = true;
+      double ms[kRstdGroup];
+      for (Index i = 0; i < m; ++i) {
+        plain = plain && detail::rms_sum_in_range<T>(ss[i]);
+        ms[i] = ss[i] / static_cast<double>(n);
+      }
+      if (plain) {
+        detail::inv_sqrt_eps(ms, eps_, m, r);
+        return;
+      }
+    }
+    for (Index i = 0; i < m; ++i) r[i] = detail::rms_rstd(row_of(i), n, 1, ss[i], eps_);
   }
   // rows_rstd of one row from its sum of squares ss; x is read again only
   // when ss left T's range.
@@ -373,6 +380,14 @@ class RMSNorm {
     const bool streaming = detail::streaming_input<S, T>(rows, n);
     if (xv.row_major) {
       detail::run_parts(device, parts, [&](Index p) {
+        if constexpr (!std::is_same<S, T>::value && detail::packet_io<S, L>()) {
+          if (n >= detail::kShortRowPackets * L) {  // long 16-bit rows, read as they are
+            const Index b0 = split.begin(p);
+            forward_rows_widened(xv.data + b0 * n, out + b0 * n, n, split.begin(p + 1) - b0,
+                                 rsave ? rsave + b0 : nullptr, prm.gamma);
+            return;
+          }
+        }
         detail::rows_in_compute_type<T>(xv.data, out, n, split.begin(p), split.begin(p + 1),
                                         [&](const T* xb, T* yb, Index m, Index r0) {
                                           forward_rows(xb, yb, n, m, rsave ? rsave + r0 : nullptr, prm.gamma, streaming);
@@ -473,9 +488,11 @@ class RMSNorm {
   }
 
   // y = x * rstd (* g) for the n values of a source (statistics.hpp,
-  // RowValues); Stream: streaming stores (detail::can_stream_rows).
-  template <bool Stream, typename Src>
-  static EIGEN_ALWAYS_INLINE void scale_values(const Src src, T* yr, Index n, W ri, const T* g) {
+  // RowValues); Stream: streaming stores (detail::can_stream_rows). Y is T,
+  // or a 16-bit type (T float; the source detail::WidenValues): each value
+  // rounded once as it is stored.
+  template <bool Stream, typename Src, typename Y>
+  static EIGEN_ALWAYS_INLINE void scale_values(const Src src, Y* yr, Index n, W ri, const T* g) {
     using namespace Eigen::internal;
     using Packet = typename detail::simd<T>::Packet;
     constexpr int L = detail::simd<T>::L;
@@ -483,20 +500,54 @@ class RMSNorm {
       for (Index j = 0; j < n; ++j) {
         long double v = static_cast<long double>(src.value(j)) * ri;
         if (g) v *= static_cast<long double>(g[j]);
-        yr[j] = static_cast<T>(v);
+        yr[j] = static_cast<Y>(static_cast<T>(v));
       }
       return;
     }
+    const auto put = [](Y* p, const Packet& v) {
+      if constexpr (std::is_same<Y, T>::value) {
+        detail::store_packet<Stream>(p, v);
+      } else {
+        detail::store_narrowed(p, v);
+      }
+    };
     const T rt = static_cast<T>(ri);
     const Packet pr = pset1<Packet>(rt);
     Index j = 0;
     if (g) {
-      for (; j + L <= n; j += L)
-        detail::store_packet<Stream>(yr + j, pmul(pmul(src.template packet<Packet>(j), pr), ploadu<Packet>(g + j)));
-      for (; j < n; ++j) yr[j] = src.value(j) * rt * g[j];
+      for (; j + L <= n; j += L) put(yr + j, pmul(pmul(src.template packet<Packet>(j), pr), ploadu<Packet>(g + j)));
+      for (; j < n; ++j) yr[j] = static_cast<Y>(src.value(j) * rt * g[j]);
     } else {
-      for (; j + L <= n; j += L) detail::store_packet<Stream>(yr + j, pmul(src.template packet<Packet>(j), pr));
-      for (; j < n; ++j) yr[j] = src.value(j) * rt;
+      for (; j + L <= n; j += L) put(yr + j, pmul(src.template packet<Packet>(j), pr));
+      for (; j < n; ++j) yr[j] = static_cast<Y>(src.value(j) * rt);
+    }
+  }
+
+  // Long 16-bit rows (T float) where the build converts whole packets
+  // (detail::packet_io): read as they are, each packet widened as it is
+  // read (detail::WidenValues) and y rounded as it is stored, instead of
+  // blocks widened into float buffers. The same rstd and bits as
+  // forward_rows on the widened rows.
+  template <typename S>
+  void forward_rows_widened(const S* x, S* out, Index n, Index count, T* rsave, const T* g) const {
+    const Index group = detail::rows_per_group(n, sizeof(T), kRstdGroup);
+    std::vector<T> row;  // a row widened for the exact path
+    for (Index r0 = 0; r0 < count; r0 += group) {
+      const Index m = std::min(group, count - r0);
+      double ss[kRstdGroup];
+      W rg[kRstdGroup];
+      for (Index i = 0; i < m; ++i) ss[i] = detail::sum_squares_of<T>(detail::WidenValues<S, T>{x + (r0 + i) * n}, n);
+      rstd_of_sums(ss, n, m,
+                   [&](Index i) {
+                     row.resize(static_cast<std::size_t>(n));
+                     detail::convert_n(x + (r0 + i) * n, row.data(), n);
+                     return static_cast<const T*>(row.data());
+                   },
+                   rg);
+      for (Index k = 0; k < m; ++k) {
+        if (rsave) rsave[r0 + k] = static_cast<T>(rg[k]);
+        scale_values<false>(detail::WidenValues<S, T>{x + (r0 + k) * n}, out + (r0 + k) * n, n, rg[k], g);
+      }
     }
   }
 

@@ -7,6 +7,7 @@
 #include <limits>
 #include <type_traits>
 
+#include "normcore/detail/convert.hpp"
 #include "normcore/detail/stream.hpp"
 #include "normcore/statistics.hpp"
 
@@ -155,8 +156,12 @@ struct masked_tail<float> : std::true_type {
 /// aligned, n whole packets). Always inlined: for short rows the call and
 /// the setup cost as much as the loop (rows of 64 floats: 0.66x the time
 /// inlined).
-template <bool Stream = false, typename T, typename Src>
-EIGEN_ALWAYS_INLINE void normalize_values(const Src src, T* y, Index n, const NormCoeffs<T>& k, const T* gamma,
+///
+/// y may also be a 16-bit type Y when T is float (mixed.hpp's WidenValues
+/// then reads the row): each packet is rounded once as it is stored
+/// (store_narrowed), the tail one value at a time; no streaming stores.
+template <bool Stream = false, typename T, typename Src, typename Y>
+EIGEN_ALWAYS_INLINE void normalize_values(const Src src, Y* y, Index n, const NormCoeffs<T>& k, const T* gamma,
                                           const T* beta) {
   using namespace Eigen::internal;
   using Packet = typename simd<T>::Packet;
@@ -164,23 +169,30 @@ EIGEN_ALWAYS_INLINE void normalize_values(const Src src, T* y, Index n, const No
   const Packet pp = pset1<Packet>(k.pivot);
   const Packet pr = pset1<Packet>(k.rstd);
   const Packet pc = pset1<Packet>(-k.shift);
+  const auto put = [](Y* p, const Packet& v) {
+    if constexpr (std::is_same<Y, T>::value) {
+      store_packet<Stream>(p, v);
+    } else {
+      store_narrowed(p, v);
+    }
+  };
   Index j = 0;
   if (gamma && beta) {
     for (; j + L <= n; j += L) {
       const Packet v = pmadd(psub(src.template packet<Packet>(j), pp), pr, pc);
-      store_packet<Stream>(y + j, pmadd(v, ploadu<Packet>(gamma + j), ploadu<Packet>(beta + j)));
+      put(y + j, pmadd(v, ploadu<Packet>(gamma + j), ploadu<Packet>(beta + j)));
     }
   } else if (gamma) {
     for (; j + L <= n; j += L) {
       const Packet v = pmadd(psub(src.template packet<Packet>(j), pp), pr, pc);
-      store_packet<Stream>(y + j, pmul(v, ploadu<Packet>(gamma + j)));
+      put(y + j, pmul(v, ploadu<Packet>(gamma + j)));
     }
   } else {
     for (; j + L <= n; j += L) {
-      store_packet<Stream>(y + j, pmadd(psub(src.template packet<Packet>(j), pp), pr, pc));
+      put(y + j, pmadd(psub(src.template packet<Packet>(j), pp), pr, pc));
     }
   }
-  if constexpr (masked_tail<T>::value) {
+  if constexpr (masked_tail<T>::value && std::is_same<Y, T>::value) {
     if (j < n) {
       const auto m = masked_tail<T>::first(n - j);
       Packet v = pmadd(psub(src.template packet<Packet>(j, m), pp), pr, pc);
@@ -193,7 +205,7 @@ EIGEN_ALWAYS_INLINE void normalize_values(const Src src, T* y, Index n, const No
   for (; j < n; ++j) {
     T v = madd(src.value(j) - k.pivot, k.rstd, -k.shift);
     if (gamma) v = beta ? madd(v, gamma[j], beta[j]) : v * gamma[j];
-    y[j] = v;
+    y[j] = static_cast<Y>(v);
   }
 }
 
