@@ -384,7 +384,8 @@ class RMSNorm {
           if (n >= detail::kShortRowPackets * L) {  // long 16-bit rows, read as they are
             const Index b0 = split.begin(p);
             forward_rows_widened(xv.data + b0 * n, out + b0 * n, n, split.begin(p + 1) - b0,
-                                 rsave ? rsave + b0 : nullptr, prm.gamma);
+                                 rsave ? rsave + b0 : nullptr, prm.gamma,
+                                 rows * n * static_cast<Index>(sizeof(T)) >= detail::kStreamingBytes);
             return;
           }
         }
@@ -528,9 +529,11 @@ class RMSNorm {
   // read (detail::WidenValues) and y rounded as it is stored, instead of
   // blocks widened into float buffers. The same rstd and bits as
   // forward_rows on the widened rows.
+  // `large`: an input of at least detail::kStreamingBytes as T; its rows go
+  // one at a time, as forward_rows' long rows of a streaming input.
   template <typename S>
-  void forward_rows_widened(const S* x, S* out, Index n, Index count, T* rsave, const T* g) const {
-    const Index group = detail::rows_per_group(n, sizeof(T), kRstdGroup);
+  void forward_rows_widened(const S* x, S* out, Index n, Index count, T* rsave, const T* g, bool large) const {
+    const Index group = large ? 1 : detail::rows_per_group(n, sizeof(T), kRstdGroup);
     std::vector<T> row;  // a row widened for the exact path
     for (Index r0 = 0; r0 < count; r0 += group) {
       const Index m = std::min(group, count - r0);
