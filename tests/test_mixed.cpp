@@ -243,6 +243,52 @@ void check_staged_equals_whole(float scale = 1.0f) {
 
 TEST(Mixed, StagedBFloat16RowsEqualTheWholeTensorPath) { check_staged_equals_whole<Eigen::bfloat16>(); }
 TEST(Mixed, StagedHalfRowsEqualTheWholeTensorPath) { check_staged_equals_whole<Eigen::half>(); }
+// Inputs of at least kStreamingBytes as float (3200 x 1024 values) take
+// their long 16-bit rows one at a time in the forward; still the float path
+// rounded once, and on two threads too.
+template <typename S>
+void check_large_rows_equal_float_path() {
+  const Index rows = 3200, n = 1024;
+  const std::size_t N = static_cast<std::size_t>(rows * n);
+  ASSERT_GE(static_cast<Index>(N * sizeof(float)), normcore::detail::kStreamingBytes);
+  const auto xs = to16<S>(randn<float>(N, 41, 1.0, 2.0));
+  const auto xw = to32(xs);
+  Eigen::TensorMap<const Eigen::Tensor<S, 2, Eigen::RowMajor>> x(xs.data(), rows, n);
+  Eigen::TensorMap<const Eigen::Tensor<float, 2, Eigen::RowMajor>> xf(xw.data(), rows, n);
+  normcore::LayerNorm<float> ln(normcore::LayerNormOptions({n}));
+  ln.weight().setRandom();
+  ln.bias().setRandom();
+  normcore::RMSNorm<float> rn(normcore::RMSNormOptions({n}));
+  rn.weight().setRandom();
+  Eigen::Tensor<float, 2, Eigen::RowMajor> yf(rows, n), zf(rows, n);
+  normcore::NormStats<float> sf, tf;
+  ln.forward(xf, yf, sf);
+  rn.forward(xf, zf, tf);
+  Eigen::ThreadPool pool(1);
+  Eigen::ThreadPoolDevice dev(&pool, 2);
+  for (int threads : {1, 2}) {
+    SCOPED_TRACE(::testing::Message() << threads << " thread(s)");
+    Eigen::Tensor<S, 2, Eigen::RowMajor> y(rows, n), z(rows, n);
+    normcore::NormStats<float> s, t;
+    if (threads == 1) {
+      ln.forward(x, y, s);
+      rn.forward(x, z, t);
+    } else {
+      ln.forward(dev, x, y, s);
+      rn.forward(dev, x, z, t);
+    }
+    for (std::size_t i = 0; i < N; ++i) {
+      ASSERT_EQ(static_cast<float>(y.data()[i]), static_cast<float>(static_cast<S>(yf.data()[i]))) << i;
+      ASSERT_EQ(static_cast<float>(z.data()[i]), static_cast<float>(static_cast<S>(zf.data()[i]))) << i;
+    }
+    EXPECT_TRUE(bit_equal(s.mean.data(), sf.mean.data(), static_cast<std::size_t>(rows)));
+    EXPECT_TRUE(bit_equal(s.rstd.data(), sf.rstd.data(), static_cast<std::size_t>(rows)));
+    EXPECT_TRUE(bit_equal(t.rstd.data(), tf.rstd.data(), static_cast<std::size_t>(rows)));
+  }
+}
+TEST(Mixed, LargeBFloat16RowsEqualTheFloatPath) { check_large_rows_equal_float_path<Eigen::bfloat16>(); }
+TEST(Mixed, LargeHalfRowsEqualTheFloatPath) { check_large_rows_equal_float_path<Eigen::half>(); }
+
 TEST(Mixed, BFloat16RowsBeyondFloatSquaresEqualTheWholeTensorPath) {
   check_staged_equals_whole<Eigen::bfloat16>(1e25f);
   check_staged_equals_whole<Eigen::bfloat16>(1e-25f);
