@@ -146,6 +146,57 @@ TEST(Fused, AddLayerNormEqualsAddThenNorm) {
   EXPECT_TRUE(bit_equal(dw.data(), dw0.data(), static_cast<std::size_t>(n)));
 }
 
+// The 16-bit fused forward normalizes long rows from h itself (no float
+// buffer): h is x + residual rounded once, y and the statistics are the
+// plain forward's on h, bit for bit, also with h over the residual and y
+// over x.
+template <typename S, typename Layer>
+void check_fused16(Layer& layer, Index rows, Index n) {
+  SCOPED_TRACE(::testing::Message() << rows << "x" << n);
+  using M16 = Eigen::TensorMap<Eigen::Tensor<S, 2, Eigen::RowMajor>>;
+  const std::size_t N = static_cast<std::size_t>(rows * n);
+  const auto xs = to16<S>(randn<float>(N, 51, 0.5, 1.0));
+  const auto rs = to16<S>(randn<float>(N, 52, 0.0, 3.0));
+  for (int mode = 0; mode < 3; ++mode) {  // apart; h over residual; and y over x
+    auto xw = xs, rw = rs;
+    std::vector<S> hb(N), yb(N);
+    M16 x(xw.data(), rows, n), r(rw.data(), rows, n);
+    M16 h(mode ? rw.data() : hb.data(), rows, n), y(mode == 2 ? xw.data() : yb.data(), rows, n);
+    normcore::NormStats<float> st, st0;
+    layer.forward_add(x, r, h, y, &st);
+    std::vector<S> hwant(N);
+    for (std::size_t i = 0; i < N; ++i)
+      hwant[i] = static_cast<S>(static_cast<float>(xs[i]) + static_cast<float>(rs[i]));
+    Eigen::Tensor<S, 2, Eigen::RowMajor> y0(rows, n);
+    M16 hm(hwant.data(), rows, n);
+    layer.forward(hm, y0, st0);
+    for (std::size_t i = 0; i < N; ++i) {
+      ASSERT_EQ(static_cast<float>(h.data()[i]), static_cast<float>(hwant[i])) << "mode " << mode << " at " << i;
+      ASSERT_EQ(static_cast<float>(y.data()[i]), static_cast<float>(y0.data()[i])) << "mode " << mode << " at " << i;
+    }
+    EXPECT_TRUE(bit_equal(st.rstd.data(), st0.rstd.data(), static_cast<std::size_t>(rows)));
+    if (st0.mean.size()) {
+      EXPECT_TRUE(bit_equal(st.mean.data(), st0.mean.data(), static_cast<std::size_t>(rows)));
+    }
+  }
+}
+template <typename S>
+void check_fused16_layers() {
+  for (Index n : {Index(64), Index(768), Index(1000)}) {
+    normcore::LayerNorm<float> ln(normcore::LayerNormOptions({n}));
+    ln.weight().setRandom();
+    ln.bias().setRandom();
+    normcore::RMSNorm<float> rn(normcore::RMSNormOptions({n}));
+    rn.weight().setRandom();
+    for (Index rows : {Index(1), Index(9)}) {
+      check_fused16<S>(ln, rows, n);
+      check_fused16<S>(rn, rows, n);
+    }
+  }
+}
+TEST(Fused, BFloat16LongRowsFromHItself) { check_fused16_layers<Eigen::bfloat16>(); }
+TEST(Fused, HalfLongRowsFromHItself) { check_fused16_layers<Eigen::half>(); }
+
 TEST(Fused, BFloat16ResidualSumsInFloatAndRoundsOnce) {
   const Index rows = 9, n = 64;
   const auto xs = to16<Eigen::bfloat16>(randn<float>(static_cast<std::size_t>(rows * n), 11));

@@ -245,10 +245,15 @@ class LayerNorm {
                    NormStats<T>* saved = nullptr) const {
     detail::fused_add_norm(device, kWho, options_.normalized_shape(), x, residual, h, y, saved,
                            [&](auto& hh, auto& yy, NormStats<T>* st) { forward_impl(device, hh, yy, st); },
-                           [&](const T* xb, T* yb, Index count, Index r0, NormStats<T>* st, const detail::ParamPtrs<T>& prm) {
-                             forward_rows(xb, yb, size_, count,
-                                          st ? st->mean.data() + r0 : nullptr,
-                                          st ? st->rstd.data() + r0 : nullptr, prm.gamma, prm.beta);
+                           [&](const auto* xb, auto* yb, Index count, Index r0, NormStats<T>* st,
+                               const detail::ParamPtrs<T>& prm) {
+                             T* mean = st ? st->mean.data() + r0 : nullptr;
+                             T* rstd = st ? st->rstd.data() + r0 : nullptr;
+                             if constexpr (std::is_same<std::decay_t<decltype(*yb)>, T>::value) {
+                               forward_rows(xb, yb, size_, count, mean, rstd, prm.gamma, prm.beta);
+                             } else {  // long 16-bit rows
+                               forward_rows_widened(xb, yb, size_, count, mean, rstd, prm.gamma, prm.beta, false);
+                             }
                            },
                            detail::kShortMomentsValues<T>,
                            [&](const T* xb, const T* rb, T* hb, T* yb, Index count, Index r0, NormStats<T>* st,
@@ -841,11 +846,7 @@ class LayerNorm {
             const Packet g = gamma ? pmul(dyv, ploadu<Packet>(gamma + j)) : dyv;
             Packet o = pmadd(g, pr, pnegate(pmadd(xh, p3, p4)));
             if (dh) o = padd(o, ld(dh + r * n + j));
-            if constexpr (std::is_same<S, T>::value) {
-              detail::store_packet<Stream>(dx + r * n + j, o);
-            } else {
-              detail::store_narrowed(dx + r * n + j, o);
-            }
+            detail::store_packet<Stream>(dx + r * n + j, o);
           }
           if (dw) pstoreu(accw + j, pmadd(dyv, xh, ploadu<Packet>(accw + j)));
           if (db) pstoreu(accb + j, padd(dyv, ploadu<Packet>(accb + j)));

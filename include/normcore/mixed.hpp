@@ -7,9 +7,12 @@
 //   - a 16-bit layer (LayerNorm<Eigen::bfloat16>, ...) stores its weights in
 //     the storage type as well (as PyTorch's module.to(torch.bfloat16)); it
 //     computes in float and saves its statistics in float.
-// RowMajor rows are widened a block at a time into small float buffers with
-// Eigen's packet casts (F16C, AVX512-BF16 or NEON where Eigen has them), so
-// memory sees one read of each input and one write of each output.
+// RowMajor rows are read as stored, each packet widened as it is loaded and
+// rounded as it is stored (detail/convert.hpp), where the build converts
+// whole packets: the row-wise backwards, and the forwards' long rows. Other
+// rows are widened a block at a time into small float buffers (convert_n).
+// Either way memory sees one read of each input and one write of each
+// output.
 #pragma once
 
 #include <algorithm>
@@ -350,11 +353,13 @@ struct SumValues {
 ///   either, as in an update in place, this path measured slower than the
 ///   blocks: 1.10x the time for LayerNorm at 4096x1024.)
 /// * Otherwise, blocks of about kStageValues values: each block's h is
-///   added, then normalized while it is still in cache (16-bit: from a float
-///   buffer holding the rounded h).
+///   added, then normalized while it is still in cache (16-bit: from h
+///   itself, rows of at least long_row values where the build converts
+///   whole packets, else from a float buffer holding the rounded h).
 /// ColMajor: the add, then `whole`.
-///   rows_fn(hb, yb, count, r0, saved, prm): normalizes count rows of T from
-///   hb into yb and saves row r0's statistics onward.
+///   rows_fn(hb, yb, count, r0, saved, prm): normalizes count rows of T, or
+///   of 16-bit S (long rows, see above), from hb into yb and saves row r0's
+///   statistics onward.
 ///   direct_fn(x, r, h, y, count, r0, saved, prm, stream_h, stream_y): the
 ///   first path for count rows (stream_h, stream_y: std::integral_constant).
 template <typename T, typename Device, typename X, typename R, typename H, typename Y, typename Whole,
@@ -426,16 +431,28 @@ void fused_add_norm(const Device& device, const char* who, const std::vector<Ind
   run_parts(device, parts, [&](Index p) {
     const Index b = split.begin(p), e = split.begin(p + 1);
     const Index blk = stage_rows(n);
-    std::vector<T> buf(std::is_same<S, T>::value ? 0 : static_cast<std::size_t>(2 * blk * n));
+    constexpr bool direct16 = !std::is_same<S, T>::value && packet_io<S, simd<T>::L>();
+    std::vector<T> buf(std::is_same<S, T>::value || (direct16 && n >= long_row) ? 0
+                                                                               : static_cast<std::size_t>(2 * blk * n));
     for (Index r0 = b; r0 < e; r0 += blk) {
       const Index m = std::min(blk, e - r0);
       if constexpr (std::is_same<S, T>::value) {
         add_rows(xp + r0 * n, rp + r0 * n, hp + r0 * n, static_cast<float*>(nullptr), m * n);
         rows_fn(hp + r0 * n, yp + r0 * n, m, r0, saved, prm);
       } else {
-        add_rows(xp + r0 * n, rp + r0 * n, hp + r0 * n, buf.data(), m * n);
-        rows_fn(buf.data(), buf.data() + blk * n, m, r0, saved, prm);
-        convert_n(buf.data() + blk * n, yp + r0 * n, m * n);
+        bool done = false;
+        if constexpr (direct16) {
+          if (n >= long_row) {  // long 16-bit rows: normalized from h itself
+            add_rows(xp + r0 * n, rp + r0 * n, hp + r0 * n, static_cast<float*>(nullptr), m * n);
+            rows_fn(static_cast<const S*>(hp + r0 * n), yp + r0 * n, m, r0, saved, prm);
+            done = true;
+          }
+        }
+        if (!done) {
+          add_rows(xp + r0 * n, rp + r0 * n, hp + r0 * n, buf.data(), m * n);
+          rows_fn(buf.data(), buf.data() + blk * n, m, r0, saved, prm);
+          convert_n(buf.data() + blk * n, yp + r0 * n, m * n);
+        }
       }
     }
   });

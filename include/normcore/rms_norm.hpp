@@ -208,9 +208,14 @@ class RMSNorm {
                    NormStats<T>* saved = nullptr) const {
     detail::fused_add_norm(device, kWho, options_.normalized_shape(), x, residual, h, y, saved,
                            [&](auto& hh, auto& yy, NormStats<T>* st) { forward_impl(device, hh, yy, st); },
-                           [&](const T* xb, T* yb, Index count, Index r0, NormStats<T>* st,
+                           [&](const auto* xb, auto* yb, Index count, Index r0, NormStats<T>* st,
                                const detail::ParamPtrs<T>& prm) {
-                             forward_rows(xb, yb, size_, count, st ? st->rstd.data() + r0 : nullptr, prm.gamma);
+                             T* rstd = st ? st->rstd.data() + r0 : nullptr;
+                             if constexpr (std::is_same<std::decay_t<decltype(*yb)>, T>::value) {
+                               forward_rows(xb, yb, size_, count, rstd, prm.gamma);
+                             } else {  // long 16-bit rows
+                               forward_rows_widened(xb, yb, size_, count, rstd, prm.gamma, false);
+                             }
                            },
                            detail::kShortRowPackets * detail::simd<T>::L,
                            [&](const T* xb, const T* rb, T* hb, T* yb, Index count, Index r0, NormStats<T>* st,
@@ -505,21 +510,15 @@ class RMSNorm {
       }
       return;
     }
-    const auto put = [](Y* p, const Packet& v) {
-      if constexpr (std::is_same<Y, T>::value) {
-        detail::store_packet<Stream>(p, v);
-      } else {
-        detail::store_narrowed(p, v);
-      }
-    };
     const T rt = static_cast<T>(ri);
     const Packet pr = pset1<Packet>(rt);
     Index j = 0;
     if (g) {
-      for (; j + L <= n; j += L) put(yr + j, pmul(pmul(src.template packet<Packet>(j), pr), ploadu<Packet>(g + j)));
+      for (; j + L <= n; j += L)
+        detail::store_packet<Stream>(yr + j, pmul(pmul(src.template packet<Packet>(j), pr), ploadu<Packet>(g + j)));
       for (; j < n; ++j) yr[j] = static_cast<Y>(src.value(j) * rt * g[j]);
     } else {
-      for (; j + L <= n; j += L) put(yr + j, pmul(src.template packet<Packet>(j), pr));
+      for (; j + L <= n; j += L) detail::store_packet<Stream>(yr + j, pmul(src.template packet<Packet>(j), pr));
       for (; j < n; ++j) yr[j] = static_cast<Y>(src.value(j) * rt);
     }
   }
@@ -813,11 +812,7 @@ class RMSNorm {
               const Packet gv = g ? pmul(dyv, ploadu<Packet>(g + j)) : dyv;
               Packet o = pmul(pr, psub(gv, pmul(xh, pc)));
               if (dh) o = padd(o, ld(dh + i * n + j));
-              if constexpr (std::is_same<S, T>::value) {
-                detail::store_packet<Stream>(dx + i * n + j, o);
-              } else {
-                detail::store_narrowed(dx + i * n + j, o);
-              }
+              detail::store_packet<Stream>(dx + i * n + j, o);
             }
             if (dwp) pstoreu(acc + j, pmadd(dyv, xh, ploadu<Packet>(acc + j)));
           }

@@ -157,9 +157,9 @@ struct masked_tail<float> : std::true_type {
 /// the setup cost as much as the loop (rows of 64 floats: 0.66x the time
 /// inlined).
 ///
-/// y may also be a 16-bit type Y when T is float (mixed.hpp's WidenValues
-/// then reads the row): each packet is rounded once as it is stored
-/// (store_narrowed), the tail one value at a time; no streaming stores.
+/// y may also be a 16-bit type Y when T is float (detail::WidenValues then
+/// reads the row): each packet is rounded once as it is stored
+/// (store_packet), the tail one value at a time; no streaming stores.
 template <bool Stream = false, typename T, typename Src, typename Y>
 EIGEN_ALWAYS_INLINE void normalize_values(const Src src, Y* y, Index n, const NormCoeffs<T>& k, const T* gamma,
                                           const T* beta) {
@@ -169,27 +169,20 @@ EIGEN_ALWAYS_INLINE void normalize_values(const Src src, Y* y, Index n, const No
   const Packet pp = pset1<Packet>(k.pivot);
   const Packet pr = pset1<Packet>(k.rstd);
   const Packet pc = pset1<Packet>(-k.shift);
-  const auto put = [](Y* p, const Packet& v) {
-    if constexpr (std::is_same<Y, T>::value) {
-      store_packet<Stream>(p, v);
-    } else {
-      store_narrowed(p, v);
-    }
-  };
   Index j = 0;
   if (gamma && beta) {
     for (; j + L <= n; j += L) {
       const Packet v = pmadd(psub(src.template packet<Packet>(j), pp), pr, pc);
-      put(y + j, pmadd(v, ploadu<Packet>(gamma + j), ploadu<Packet>(beta + j)));
+      store_packet<Stream>(y + j, pmadd(v, ploadu<Packet>(gamma + j), ploadu<Packet>(beta + j)));
     }
   } else if (gamma) {
     for (; j + L <= n; j += L) {
       const Packet v = pmadd(psub(src.template packet<Packet>(j), pp), pr, pc);
-      put(y + j, pmul(v, ploadu<Packet>(gamma + j)));
+      store_packet<Stream>(y + j, pmul(v, ploadu<Packet>(gamma + j)));
     }
   } else {
     for (; j + L <= n; j += L) {
-      put(y + j, pmadd(psub(src.template packet<Packet>(j), pp), pr, pc));
+      store_packet<Stream>(y + j, pmadd(psub(src.template packet<Packet>(j), pp), pr, pc));
     }
   }
   if constexpr (masked_tail<T>::value && std::is_same<Y, T>::value) {

@@ -11,6 +11,7 @@
 
 #include <Eigen/Core>
 
+#include "normcore/detail/convert.hpp"
 #include "normcore/statistics.hpp"
 
 namespace normcore {
@@ -82,10 +83,14 @@ bool stream_gradient(const S* x, const S* dy, const S* dh, const S* dx, Index ro
   }
 }
 
-/// Stores v at p: streaming when Stream (p aligned), else pstoreu.
+/// Stores v at p: streaming when Stream (p aligned), else pstoreu. When p
+/// holds a 16-bit type (the packet's values are floats), the packet is
+/// rounded once as it is stored (store_narrowed), never streaming.
 template <bool Stream, typename T, typename Packet>
 EIGEN_ALWAYS_INLINE void store_packet(T* p, const Packet& v) {
-  if constexpr (Stream && kStreamStores) {
+  if constexpr (!std::is_same<T, typename Eigen::internal::unpacket_traits<Packet>::type>::value) {
+    store_narrowed(p, v);
+  } else if constexpr (Stream && kStreamStores) {
     stream_store(p, v);
   } else {
     Eigen::internal::pstoreu(p, v);
