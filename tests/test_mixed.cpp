@@ -221,6 +221,25 @@ std::vector<float> widened(const std::vector<S>& v) {
   return to32(v);
 }
 
+// The 16-bit forwards' outputs (y: LayerNorm, z: RMSNorm) are the float
+// forwards' (yf, zf) rounded once, and their statistics the same bits.
+template <typename S>
+void expect_forwards_rounded_once(const Eigen::Tensor<S, 2, Eigen::RowMajor>& y,
+                                  const Eigen::Tensor<float, 2, Eigen::RowMajor>& yf,
+                                  const normcore::NormStats<float>& s, const normcore::NormStats<float>& sf,
+                                  const Eigen::Tensor<S, 2, Eigen::RowMajor>& z,
+                                  const Eigen::Tensor<float, 2, Eigen::RowMajor>& zf,
+                                  const normcore::NormStats<float>& t, const normcore::NormStats<float>& tf) {
+  for (Index i = 0; i < y.size(); ++i) {
+    ASSERT_EQ(static_cast<float>(y.data()[i]), static_cast<float>(static_cast<S>(yf.data()[i]))) << i;
+    ASSERT_EQ(static_cast<float>(z.data()[i]), static_cast<float>(static_cast<S>(zf.data()[i]))) << i;
+  }
+  const std::size_t rows = static_cast<std::size_t>(y.dimension(0));
+  EXPECT_TRUE(bit_equal(s.mean.data(), sf.mean.data(), rows));
+  EXPECT_TRUE(bit_equal(s.rstd.data(), sf.rstd.data(), rows));
+  EXPECT_TRUE(bit_equal(t.rstd.data(), tf.rstd.data(), rows));
+}
+
 // RowMajor 16-bit rows are read directly, each packet widened as it is
 // loaded (long rows, and every backward, where the build converts whole
 // packets), or widened a block at a time into float buffers; either way the
@@ -257,13 +276,7 @@ void check_staged_equals_whole(float scale = 1.0f) {
       ln.forward(xf, yf, sf);
       rn.forward(x, z, t);
       rn.forward(xf, zf, tf);
-      for (std::size_t i = 0; i < N; ++i) {
-        ASSERT_EQ(static_cast<float>(y.data()[i]), static_cast<float>(static_cast<S>(yf.data()[i]))) << i;
-        ASSERT_EQ(static_cast<float>(z.data()[i]), static_cast<float>(static_cast<S>(zf.data()[i]))) << i;
-      }
-      EXPECT_TRUE(bit_equal(s.mean.data(), sf.mean.data(), static_cast<std::size_t>(rows)));
-      EXPECT_TRUE(bit_equal(s.rstd.data(), sf.rstd.data(), static_cast<std::size_t>(rows)));
-      EXPECT_TRUE(bit_equal(t.rstd.data(), tf.rstd.data(), static_cast<std::size_t>(rows)));
+      expect_forwards_rounded_once(y, yf, s, sf, z, zf, t, tf);
       // Backward (saved and recomputed statistics), plain and fused.
       for (bool use_saved : {true, false}) {
         Eigen::Tensor<S, 2, Eigen::RowMajor> dx(rows, n), dxa(rows, n), dr(rows, n), dra(rows, n);
@@ -328,13 +341,7 @@ void check_large_rows_equal_float_path() {
       ln.forward(dev, x, y, s);
       rn.forward(dev, x, z, t);
     }
-    for (std::size_t i = 0; i < N; ++i) {
-      ASSERT_EQ(static_cast<float>(y.data()[i]), static_cast<float>(static_cast<S>(yf.data()[i]))) << i;
-      ASSERT_EQ(static_cast<float>(z.data()[i]), static_cast<float>(static_cast<S>(zf.data()[i]))) << i;
-    }
-    EXPECT_TRUE(bit_equal(s.mean.data(), sf.mean.data(), static_cast<std::size_t>(rows)));
-    EXPECT_TRUE(bit_equal(s.rstd.data(), sf.rstd.data(), static_cast<std::size_t>(rows)));
-    EXPECT_TRUE(bit_equal(t.rstd.data(), tf.rstd.data(), static_cast<std::size_t>(rows)));
+    expect_forwards_rounded_once(y, yf, s, sf, z, zf, t, tf);
   }
 }
 TEST(Mixed, LargeBFloat16RowsEqualTheFloatPath) { check_large_rows_equal_float_path<Eigen::bfloat16>(); }
