@@ -194,8 +194,20 @@ void check_fused16_layers() {
     }
   }
 }
-TEST(Fused, BFloat16LongRowsFromHItself) { check_fused16_layers<Eigen::bfloat16>(); }
-TEST(Fused, HalfLongRowsFromHItself) { check_fused16_layers<Eigen::half>(); }
+TEST(Fused, BFloat16LongRowsFromHItself) {
+  check_fused16_layers<Eigen::bfloat16>();
+  // 12 MB or more as float: one row per block.
+  normcore::RMSNorm<float> rn(normcore::RMSNormOptions({1024}));
+  rn.weight().setRandom();
+  check_fused16<Eigen::bfloat16>(rn, 3200, 1024);
+}
+TEST(Fused, HalfLongRowsFromHItself) {
+  check_fused16_layers<Eigen::half>();
+  normcore::LayerNorm<float> ln(normcore::LayerNormOptions({1024}));
+  ln.weight().setRandom();
+  ln.bias().setRandom();
+  check_fused16<Eigen::half>(ln, 3200, 1024);
+}
 
 TEST(Fused, BFloat16ResidualSumsInFloatAndRoundsOnce) {
   const Index rows = 9, n = 64;

@@ -430,8 +430,11 @@ void fused_add_norm(const Device& device, const char* who, const std::vector<Ind
   }
   run_parts(device, parts, [&](Index p) {
     const Index b = split.begin(p), e = split.begin(p + 1);
-    const Index blk = stage_rows(n);
     constexpr bool direct16 = !std::is_same<S, T>::value && packet_io<S, simd<T>::L>();
+    // Long 16-bit rows of an input of kStreamingBytes or more as T: one row
+    // per block (add, then normalize from h in L1), as the float path's rows.
+    const bool one_row = direct16 && n >= long_row && rows * n * static_cast<Index>(sizeof(T)) >= kStreamingBytes;
+    const Index blk = one_row ? 1 : stage_rows(n);
     std::vector<T> buf(std::is_same<S, T>::value || (direct16 && n >= long_row) ? 0
                                                                                : static_cast<std::size_t>(2 * blk * n));
     for (Index r0 = b; r0 < e; r0 += blk) {
