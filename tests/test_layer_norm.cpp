@@ -259,10 +259,12 @@ TYPED_TEST(LayerNormTest, InPlaceForwardMatchesOutOfPlaceBitForBit) {
 // time. The same bits as the same rows in calls below the threshold (in
 // groups, without prefetch), for short rows (groups of 8) and long rows
 // that leave a tail (groups of 4 below the threshold) or not (rows of 1024,
-// whose output takes streaming stores), in place too.
+// whose output takes streaming stores), and rows of 1500 (float: rows of
+// 4-8 KB, whose normalize pass requests the next row,
+// detail::forward_requests; with a tail), in place too.
 TYPED_TEST(LayerNormTest, LargeInputForwardSameBitsAsSmallCalls) {
   using T = TypeParam;
-  for (Index n : {Index(64), Index(1000), Index(1024)}) {
+  for (Index n : {Index(64), Index(1000), Index(1024), Index(1500)}) {
     SCOPED_TRACE(::testing::Message() << "n=" << n);
     const Index row_bytes = n * static_cast<Index>(sizeof(T));
     const Index rows = normcore::detail::kStreamingBytes / row_bytes + 5;  // a partial last group

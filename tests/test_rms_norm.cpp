@@ -182,10 +182,12 @@ TEST(RMSNormErrors, ShapesAndMissingWeight) {
 
 // Inputs of normcore::detail::kStreamingBytes or more take other forward paths:
 // short rows in groups that prefetch the next group, long rows one at a
-// time. The same bits as the same rows in calls below the threshold.
+// time, and rows of more than 4 KB (here 1500 values, with a tail) request
+// the next row as they are scaled (detail::forward_requests). The same bits
+// as the same rows in calls below the threshold, in place too.
 TYPED_TEST(RMSNormTest, LargeInputForwardSameBitsAsSmallCalls) {
   using T = TypeParam;
-  for (Index n : {Index(64), Index(1000), Index(1024)}) {
+  for (Index n : {Index(64), Index(1000), Index(1024), Index(1500)}) {
     SCOPED_TRACE(::testing::Message() << "n=" << n);
     const Index row_bytes = n * static_cast<Index>(sizeof(T));
     const Index rows = normcore::detail::kStreamingBytes / row_bytes + 5;
@@ -206,6 +208,10 @@ TYPED_TEST(RMSNormTest, LargeInputForwardSameBitsAsSmallCalls) {
       ASSERT_EQ(std::memcmp(ys.data(), y.data() + r0 * n, static_cast<std::size_t>(m * row_bytes)), 0)
           << "rows " << r0 << ".." << r0 + m;
     }
+    auto copy = buf;
+    Eigen::TensorMap<Eigen::Tensor<T, 2, Eigen::RowMajor>> inplace(copy.data(), rows, n);
+    rn.forward(inplace, inplace);
+    ASSERT_EQ(std::memcmp(copy.data(), y.data(), static_cast<std::size_t>(rows * row_bytes)), 0) << "in place";
   }
 }
 

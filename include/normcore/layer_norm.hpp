@@ -366,14 +366,19 @@ class LayerNorm {
   // still in L1. On `streaming` inputs (detail::streaming_input) long rows
   // go one at a time, each row of the next group of short rows is
   // requested as a row of this one is normalized (detail::forward_group,
-  // detail::rows_ahead), and the output takes streaming stores when it
-  // can (detail::can_stream_rows).
+  // detail::rows_ahead), rows of 4-8 KB request the next row as they are
+  // normalized (detail::forward_requests), and the output takes streaming
+  // stores when it can (detail::can_stream_rows).
+  // The longest rows whose normalize pass requests the next row
+  // (detail::forward_requests): with gamma and beta, longer rows lost.
+  static constexpr Index kRequestMaxRowBytes = 8192;
   void forward_rows(const T* x, T* out, Index n, Index count, T* mean, T* rstd, const T* g,
                     const T* b, bool streaming = false) const {
     const Index group =
         detail::forward_group(streaming, n, sizeof(T), kCoeffGroup, detail::kShortMomentsValues<T>);
     detail::CoeffGroup<T> k;
     const bool stream = streaming && detail::can_stream_rows(x, out, n, count);
+    const bool request = detail::forward_requests(streaming, n, sizeof(T), kRequestMaxRowBytes);
     for (Index r0 = 0; r0 < count; r0 += group) {
       const Index m = std::min(group, count - r0);
       row_coeffs(x + r0 * n, n, m, k);
@@ -383,7 +388,14 @@ class LayerNorm {
         if (mean) mean[r0 + i] = k[i].mean;
         if (rstd) rstd[r0 + i] = k[i].rstd;
         const detail::RowValues<T> row{x + (r0 + i) * n};
-        if (stream) {
+        if (request && r0 + i + 1 < count) {
+          const auto src = detail::request_next(row, x + (r0 + i + 1) * n);
+          if (stream) {
+            detail::normalize_values<true>(src, out + (r0 + i) * n, n, k[i], g, b);
+          } else {
+            detail::normalize_values(src, out + (r0 + i) * n, n, k[i], g, b);
+          }
+        } else if (stream) {
           detail::normalize_values<true>(row, out + (r0 + i) * n, n, k[i], g, b);
         } else {
           detail::normalize_values(row, out + (r0 + i) * n, n, k[i], g, b);

@@ -464,8 +464,9 @@ class RMSNorm {
   // On `streaming` inputs (detail::streaming_input) long rows go one at a
   // time, each row of the next group of short rows is requested as a row
   // of this one is normalized (detail::forward_group, detail::rows_ahead),
-  // and the output takes streaming stores when it can
-  // (detail::can_stream_rows), as in LayerNorm's forward.
+  // rows of more than 4 KB request the next row as they are scaled
+  // (detail::forward_requests), and the output takes streaming stores when
+  // it can (detail::can_stream_rows), as in LayerNorm's forward.
   void forward_rows(const T* x, T* out, Index n, Index count, T* rsave, const T* g, bool streaming = false) const {
     constexpr int L = detail::simd<T>::L;
     const bool resident = count * n * static_cast<Index>(sizeof(T)) <= kResidentBytes;
@@ -473,6 +474,7 @@ class RMSNorm {
                                               detail::kShortRowPackets * L);
     W rg[kResidentGroup];
     const bool stream = streaming && detail::can_stream_rows(x, out, n, count);
+    const bool request = detail::forward_requests(streaming, n, sizeof(T), std::numeric_limits<Index>::max());
     for (Index r0 = 0; r0 < count; r0 += group) {
       const Index m = std::min(group, count - r0);
       rows_rstd(x + r0 * n, n, m, rg);
@@ -483,7 +485,13 @@ class RMSNorm {
         const W ri = rg[k];
         if (rsave) rsave[i] = static_cast<T>(ri);
         const detail::RowValues<T> row{x + i * n};
-        if (stream) {
+        if (request && i + 1 < count) {
+          if (stream) {
+            scale_values<true>(detail::request_next(row, x + (i + 1) * n), out + i * n, n, ri, g);
+          } else {
+            scale_values<false>(detail::request_next(row, x + (i + 1) * n), out + i * n, n, ri, g);
+          }
+        } else if (stream) {
           scale_values<true>(row, out + i * n, n, ri, g);
         } else {
           scale_values<false>(row, out + i * n, n, ri, g);
