@@ -146,8 +146,8 @@ TEST(Fused, AddLayerNormEqualsAddThenNorm) {
   EXPECT_TRUE(bit_equal(dw.data(), dw0.data(), static_cast<std::size_t>(n)));
 }
 
-// The 16-bit fused forward normalizes long rows from h itself (no float
-// buffer): h is x + residual rounded once, y and the statistics are the
+// The 16-bit fused forward normalizes rows from h itself (no float buffer,
+// where the build converts whole packets): h is x + residual rounded once, y and the statistics are the
 // plain forward's on h, bit for bit, also with h over the residual and y
 // over x.
 template <typename S, typename Layer>
@@ -182,7 +182,7 @@ void check_fused16(Layer& layer, Index rows, Index n) {
 }
 template <typename S>
 void check_fused16_layers() {
-  for (Index n : {Index(64), Index(768), Index(1000)}) {
+  for (Index n : {Index(5), Index(64), Index(300), Index(768), Index(1000)}) {
     normcore::LayerNorm<float> ln(normcore::LayerNormOptions({n}));
     ln.weight().setRandom();
     ln.bias().setRandom();
@@ -194,14 +194,14 @@ void check_fused16_layers() {
     }
   }
 }
-TEST(Fused, BFloat16LongRowsFromHItself) {
+TEST(Fused, BFloat16RowsFromHItself) {
   check_fused16_layers<Eigen::bfloat16>();
   // 12 MB or more as float: one row per block.
   normcore::RMSNorm<float> rn(normcore::RMSNormOptions({1024}));
   rn.weight().setRandom();
   check_fused16<Eigen::bfloat16>(rn, 3200, 1024);
 }
-TEST(Fused, HalfLongRowsFromHItself) {
+TEST(Fused, HalfRowsFromHItself) {
   check_fused16_layers<Eigen::half>();
   normcore::LayerNorm<float> ln(normcore::LayerNormOptions({1024}));
   ln.weight().setRandom();
@@ -253,15 +253,17 @@ void expect_forwards_rounded_once(const Eigen::Tensor<S, 2, Eigen::RowMajor>& y,
 }
 
 // RowMajor 16-bit rows are read directly, each packet widened as it is
-// loaded (long rows, and every backward, where the build converts whole
-// packets), or widened a block at a time into float buffers; either way the
-// result must be the float path on the whole widened tensor, rounded once,
-// bit for bit. `scale` multiplies x: 1e25 and 1e-25 put the rows' squares
+// loaded (where the build converts whole packets: short rows through the
+// short-row kernels, long rows through the long-row ones), or widened a
+// block at a time into float buffers (builds without packet conversions);
+// either way the result must be the float path on the whole widened
+// tensor, rounded once, bit for bit. Rows of 5 have no whole 256-bit
+// packet; 300 is a short row for LayerNorm and a long one for RMSNorm. `scale` multiplies x: 1e25 and 1e-25 put the rows' squares
 // outside float's range, so their statistics take the exact paths, which
 // read the row again as float.
 template <typename S>
 void check_staged_equals_whole(float scale = 1.0f) {
-  for (Index n : {Index(1), Index(50), Index(64), Index(768), Index(5000)}) {
+  for (Index n : {Index(1), Index(5), Index(50), Index(64), Index(300), Index(768), Index(5000)}) {
     for (Index rows : {Index(1), Index(7), Index(130)}) {
       SCOPED_TRACE(::testing::Message() << rows << "x" << n << " scale " << scale);
       const std::size_t N = static_cast<std::size_t>(rows * n);
@@ -319,12 +321,14 @@ void check_staged_equals_whole(float scale = 1.0f) {
 
 TEST(Mixed, StagedBFloat16RowsEqualTheWholeTensorPath) { check_staged_equals_whole<Eigen::bfloat16>(); }
 TEST(Mixed, StagedHalfRowsEqualTheWholeTensorPath) { check_staged_equals_whole<Eigen::half>(); }
-// Inputs of at least kStreamingBytes as float (3200 x 1024 values) take
-// their long 16-bit rows one at a time in the forward; still the float path
-// rounded once, and on two threads too.
+// Inputs of at least kStreamingBytes as float (3075 x 1024 values) take
+// their long 16-bit rows one at a time in the forward, and short rows (64)
+// keep their groups; still the float path rounded once, and on two threads
+// too.
 template <typename S>
-void check_large_rows_equal_float_path() {
-  const Index rows = 3200, n = 1024;
+void check_large_rows_equal_float_path(Index n) {
+  SCOPED_TRACE(::testing::Message() << "n=" << n);
+  const Index rows = normcore::detail::kStreamingBytes / (n * static_cast<Index>(sizeof(float))) + 3;
   const std::size_t N = static_cast<std::size_t>(rows * n);
   ASSERT_GE(static_cast<Index>(N * sizeof(float)), normcore::detail::kStreamingBytes);
   const auto xs = to16<S>(randn<float>(N, 41, 1.0, 2.0));
@@ -356,8 +360,14 @@ void check_large_rows_equal_float_path() {
     expect_forwards_rounded_once(y, yf, s, sf, z, zf, t, tf);
   }
 }
-TEST(Mixed, LargeBFloat16RowsEqualTheFloatPath) { check_large_rows_equal_float_path<Eigen::bfloat16>(); }
-TEST(Mixed, LargeHalfRowsEqualTheFloatPath) { check_large_rows_equal_float_path<Eigen::half>(); }
+TEST(Mixed, LargeBFloat16RowsEqualTheFloatPath) {
+  check_large_rows_equal_float_path<Eigen::bfloat16>(1024);
+  check_large_rows_equal_float_path<Eigen::bfloat16>(64);
+}
+TEST(Mixed, LargeHalfRowsEqualTheFloatPath) {
+  check_large_rows_equal_float_path<Eigen::half>(1024);
+  check_large_rows_equal_float_path<Eigen::half>(64);
+}
 
 TEST(Mixed, BFloat16RowsBeyondFloatSquaresEqualTheWholeTensorPath) {
   check_staged_equals_whole<Eigen::bfloat16>(1e25f);

@@ -335,8 +335,9 @@ class LayerNorm {
     const bool streaming = detail::streaming_input<S, T>(rows, n);
     if (xv.row_major) {
       detail::run_parts(device, parts, [&](Index p) {
-        if constexpr (!std::is_same<S, T>::value && detail::packet_io<S, L>()) {
-          if (n >= detail::kShortMomentsValues<T>) {  // long 16-bit rows, read as they are
+        if constexpr (!std::is_same<S, T>::value && detail::packet_io<S, L>() &&
+                      detail::packet_io<S, detail::narrow_simd<T>::L>()) {
+          if (n > 0) {  // 16-bit rows, read as they are
             const Index b0 = split.begin(p);
             forward_rows_widened(xv.data + b0 * n, out + b0 * n, n, split.begin(p + 1) - b0,
                                  mean ? mean + b0 : nullptr, rstd ? rstd + b0 : nullptr, prm.gamma, prm.beta,
@@ -344,8 +345,8 @@ class LayerNorm {
             return;
           }
         }
-        // Other 16-bit rows: widened a block at a time, normalized in float,
-        // rounded once on the way out.
+        // 16-bit rows in builds without packet conversions: widened a block
+        // at a time, normalized in float, rounded once on the way out.
         detail::rows_in_compute_type<T>(xv.data, out, n, split.begin(p), split.begin(p + 1),
                                         [&](const T* xb, T* yb, Index m, Index r0) {
                                           forward_rows(xb, yb, n, m, mean ? mean + r0 : nullptr,
@@ -405,41 +406,63 @@ class LayerNorm {
     if (stream) detail::stream_fence();
   }
 
-  // Long 16-bit rows (T float) where the build converts whole packets
+  // 16-bit rows (T float) where the build converts whole packets
   // (detail::packet_io): forward_rows' groups on the rows themselves, each
-  // packet widened as it is read (detail::WidenValues) and y rounded as it
-  // is stored, instead of blocks widened into float buffers. The same
-  // statistics and bits as forward_rows on the widened rows.
-  // `large`: an input of at least detail::kStreamingBytes as T; its rows go
-  // one at a time, as forward_rows' long rows of a streaming input
+  // packet widened as it is read (detail::WidenValues, and the short-row
+  // kernels on 16-bit rows) and y rounded as it is stored, instead of
+  // blocks widened into float buffers. The same statistics and bits as
+  // forward_rows on the widened rows.
+  // `large`: an input of at least detail::kStreamingBytes as T; its long
+  // rows go one at a time, as forward_rows' long rows of a streaming input
   // (measured on bf16 rows: 0.90-0.98x the time at 4096x1024 to
   // 16384x1024, 1.13x at 512x768).
   template <typename S>
   void forward_rows_widened(const S* x, S* out, Index n, Index count, T* mean, T* rstd, const T* g,
                             const T* b, bool large) const {
-    const Index group = large ? 1 : detail::rows_per_group(n, sizeof(T), kCoeffGroup);
-    std::vector<T> row;  // a row widened for the exact path
+    const bool short_rows = n < detail::kShortMomentsValues<T>;
+    const Index group = large && !short_rows ? 1 : detail::rows_per_group(n, sizeof(T), kCoeffGroup);
+    std::vector<T> row;  // rows widened for the exact path
+    auto widened = [&](Index r, Index m) {
+      row.resize(static_cast<std::size_t>(m * n));
+      detail::convert_n(x + r * n, row.data(), m * n);
+      return static_cast<const T*>(row.data());
+    };
+    detail::CoeffGroup<T> k;
     for (Index r0 = 0; r0 < count; r0 += group) {
       const Index m = std::min(group, count - r0);
-      Welford<double> w[kCoeffGroup];
-      T pivot[kCoeffGroup] = {};
-      for (Index i = 0; i < m; ++i) {
-        const S* xr = x + (r0 + i) * n;
-        pivot[i] = static_cast<T>(xr[0]);
-        w[i] = detail::moments_of<T>(detail::WidenValues<S, T>{xr}, n, pivot[i]);
+      const S* xg = x + r0 * n;
+      if (short_rows) {  // as row_coeffs(x, n, m, CoeffGroup&)
+        alignas(64) double mu[kCoeffGroup];
+        alignas(64) double q[kCoeffGroup];
+        alignas(64) T pivot[kCoeffGroup];
+        detail::short_rows_moments_split<kCoeffGroup>(xg, n, n, m, mu, q);
+        for (Index i = 0; i < kCoeffGroup; ++i) pivot[i] = static_cast<T>(xg[std::min(i, m - 1) * n]);
+        if (detail::moments_all_fine<T>(mu, q, n, options_.eps())) {
+          detail::coeffs_group(pivot, mu, q, n, options_.eps(), k);
+        } else {
+          row_coeffs(widened(r0, m), n, m, k);
+        }
+      } else {
+        Welford<double> w[kCoeffGroup];
+        T pivot[kCoeffGroup] = {};
+        for (Index i = 0; i < m; ++i) {
+          const S* xr = xg + i * n;
+          pivot[i] = static_cast<T>(xr[0]);
+          w[i] = detail::moments_of<T>(detail::WidenValues<S, T>{xr}, n, pivot[i]);
+        }
+        detail::NormCoeffs<T> c[kCoeffGroup];
+        coeffs_of_rows([&](Index i) { return widened(r0 + i, 1); }, n, m, pivot, w, c);
+        for (Index i = 0; i < m; ++i) {
+          k.mean[i] = c[i].mean;
+          k.rstd[i] = c[i].rstd;
+          k.pivot[i] = c[i].pivot;
+          k.shift[i] = c[i].shift;
+        }
       }
-      detail::NormCoeffs<T> k[kCoeffGroup];
-      coeffs_of_rows(
-          [&](Index i) {
-            row.resize(static_cast<std::size_t>(n));
-            detail::convert_n(x + (r0 + i) * n, row.data(), n);
-            return static_cast<const T*>(row.data());
-          },
-          n, m, pivot, w, k);
       for (Index i = 0; i < m; ++i) {
-        if (mean) mean[r0 + i] = k[i].mean;
-        if (rstd) rstd[r0 + i] = k[i].rstd;
-        detail::normalize_values(detail::WidenValues<S, T>{x + (r0 + i) * n}, out + (r0 + i) * n, n, k[i], g, b);
+        if (mean) mean[r0 + i] = k.mean[i];
+        if (rstd) rstd[r0 + i] = k.rstd[i];
+        detail::normalize_values(detail::WidenValues<S, T>{xg + i * n}, out + (r0 + i) * n, n, k[i], g, b);
       }
     }
   }
@@ -500,10 +523,7 @@ class LayerNorm {
     double var[kCoeffGroup];
     double r[kCoeffGroup];
     for (Index i = 0; i < count; ++i) {
-      const double m2 = w[i].m2();
-      const bool fine = std::isfinite(m2) && std::isfinite(w[i].mean()) &&
-                        !detail::m2_underflowed<T>(m2, static_cast<double>(n), eps);
-      if (!fine) {  // (detail::needs_exact_moments, first test)
+      if (!detail::moments_in_range<T>(w[i], n, eps)) {
         const T* xr = row_of(i);
         if (detail::needs_exact_moments(w[i], xr, n, 1, eps)) w[i] = exact_moments(xr, n, 1, pivot[i]);
       }

@@ -354,11 +354,11 @@ struct SumValues {
 ///   blocks: 1.10x the time for LayerNorm at 4096x1024.)
 /// * Otherwise, blocks of about kStageValues values: each block's h is
 ///   added, then normalized while it is still in cache (16-bit: from h
-///   itself, rows of at least long_row values where the build converts
-///   whole packets, else from a float buffer holding the rounded h).
+///   itself where the build converts whole packets, else from a float
+///   buffer holding the rounded h).
 /// ColMajor: the add, then `whole`.
 ///   rows_fn(hb, yb, count, r0, saved, prm): normalizes count rows of T, or
-///   of 16-bit S (long rows, see above), from hb into yb and saves row r0's
+///   of 16-bit S (see above), from hb into yb and saves row r0's
 ///   statistics onward.
 ///   direct_fn(x, r, h, y, count, r0, saved, prm, stream_h, stream_y): the
 ///   first path for count rows (stream_h, stream_y: std::integral_constant).
@@ -430,28 +430,23 @@ void fused_add_norm(const Device& device, const char* who, const std::vector<Ind
   }
   run_parts(device, parts, [&](Index p) {
     const Index b = split.begin(p), e = split.begin(p + 1);
-    constexpr bool direct16 = !std::is_same<S, T>::value && packet_io<S, simd<T>::L>();
+    constexpr bool direct16 = !std::is_same<S, T>::value && packet_io<S, simd<T>::L>() &&
+                              packet_io<S, narrow_simd<T>::L>();
     // Long 16-bit rows of an input of kStreamingBytes or more as T: one row
     // per block (add, then normalize from h in L1), as the float path's rows.
     const bool one_row = direct16 && n >= long_row && rows * n * static_cast<Index>(sizeof(T)) >= kStreamingBytes;
     const Index blk = one_row ? 1 : stage_rows(n);
-    std::vector<T> buf(std::is_same<S, T>::value || (direct16 && n >= long_row) ? 0
-                                                                               : static_cast<std::size_t>(2 * blk * n));
+    std::vector<T> buf(std::is_same<S, T>::value || direct16 ? 0 : static_cast<std::size_t>(2 * blk * n));
     for (Index r0 = b; r0 < e; r0 += blk) {
       const Index m = std::min(blk, e - r0);
       if constexpr (std::is_same<S, T>::value) {
         add_rows(xp + r0 * n, rp + r0 * n, hp + r0 * n, static_cast<float*>(nullptr), m * n);
         rows_fn(hp + r0 * n, yp + r0 * n, m, r0, saved, prm);
       } else {
-        bool done = false;
-        if constexpr (direct16) {
-          if (n >= long_row) {  // long 16-bit rows: normalized from h itself
-            add_rows(xp + r0 * n, rp + r0 * n, hp + r0 * n, static_cast<float*>(nullptr), m * n);
-            rows_fn(static_cast<const S*>(hp + r0 * n), yp + r0 * n, m, r0, saved, prm);
-            done = true;
-          }
-        }
-        if (!done) {
+        if constexpr (direct16) {  // 16-bit rows: normalized from h itself
+          add_rows(xp + r0 * n, rp + r0 * n, hp + r0 * n, static_cast<float*>(nullptr), m * n);
+          rows_fn(static_cast<const S*>(hp + r0 * n), yp + r0 * n, m, r0, saved, prm);
+        } else {
           add_rows(xp + r0 * n, rp + r0 * n, hp + r0 * n, buf.data(), m * n);
           rows_fn(buf.data(), buf.data() + blk * n, m, r0, saved, prm);
           convert_n(buf.data() + blk * n, yp + r0 * n, m * n);

@@ -385,8 +385,9 @@ class RMSNorm {
     const bool streaming = detail::streaming_input<S, T>(rows, n);
     if (xv.row_major) {
       detail::run_parts(device, parts, [&](Index p) {
-        if constexpr (!std::is_same<S, T>::value && detail::packet_io<S, L>()) {
-          if (n >= detail::kShortRowPackets * L) {  // long 16-bit rows, read as they are
+        if constexpr (!std::is_same<S, T>::value && detail::packet_io<S, L>() &&
+                      detail::packet_io<S, detail::narrow_simd<T>::L>()) {
+          if (n > 0) {  // 16-bit rows, read as they are
             const Index b0 = split.begin(p);
             forward_rows_widened(xv.data + b0 * n, out + b0 * n, n, split.begin(p + 1) - b0,
                                  rsave ? rsave + b0 : nullptr, prm.gamma,
@@ -531,22 +532,24 @@ class RMSNorm {
     }
   }
 
-  // Long 16-bit rows (T float) where the build converts whole packets
+  // 16-bit rows (T float) where the build converts whole packets
   // (detail::packet_io): read as they are, each packet widened as it is
-  // read (detail::WidenValues) and y rounded as it is stored, instead of
-  // blocks widened into float buffers. The same rstd and bits as
-  // forward_rows on the widened rows.
-  // `large`: an input of at least detail::kStreamingBytes as T; its rows go
-  // one at a time, as forward_rows' long rows of a streaming input.
+  // read (detail::WidenValues, and rows_sum_squares' short-row kernel on
+  // 16-bit rows) and y rounded as it is stored, instead of blocks widened
+  // into float buffers. The same rstd and bits as forward_rows on the
+  // widened rows.
+  // `large`: an input of at least detail::kStreamingBytes as T; its long
+  // rows go one at a time, as forward_rows' long rows of a streaming input.
   template <typename S>
   void forward_rows_widened(const S* x, S* out, Index n, Index count, T* rsave, const T* g, bool large) const {
-    const Index group = large ? 1 : detail::rows_per_group(n, sizeof(T), kRstdGroup);
+    const bool short_rows = n < detail::kShortRowPackets * detail::simd<T>::L;
+    const Index group = large && !short_rows ? 1 : detail::rows_per_group(n, sizeof(T), kRstdGroup);
     std::vector<T> row;  // a row widened for the exact path
     for (Index r0 = 0; r0 < count; r0 += group) {
       const Index m = std::min(group, count - r0);
       double ss[kRstdGroup];
       W rg[kRstdGroup];
-      for (Index i = 0; i < m; ++i) ss[i] = detail::sum_squares_of<T>(detail::WidenValues<S, T>{x + (r0 + i) * n}, n);
+      rows_sum_squares(x + r0 * n, n, n, m, ss);
       rstd_of_sums(ss, n, m,
                    [&](Index i) {
                      row.resize(static_cast<std::size_t>(n));

@@ -32,6 +32,7 @@
 
 #include <Eigen/Core>
 
+#include "normcore/detail/convert.hpp"
 #include "normcore/welford.hpp"
 
 namespace normcore {
@@ -565,8 +566,11 @@ EIGEN_ALWAYS_INLINE void sum_lanes_by_halving(PD* a) {
 ///      (lane l += lane l + h for h = L/2, ..., 1): the same tree on every
 ///      ISA.
 ///   4. Rows shorter than one packet: two-pass in double.
-template <typename T, typename Packet = typename narrow_simd<T>::Packet>
-void short_rows_moments(const T* const* rows, Index n, double* mu, double* q) {
+/// Rows stored as a 16-bit S are widened to T (float) packet by packet as
+/// they are read (load_widened): the same values, so the same bits, as rows
+/// widened beforehand.
+template <typename S, typename T = compute_of<S>, typename Packet = typename narrow_simd<T>::Packet>
+void short_rows_moments(const S* const* rows, Index n, double* mu, double* q) {
   using namespace Eigen::internal;
   using PD = typename simd<double>::Packet;
   constexpr int L = unpacket_traits<Packet>::size;
@@ -581,7 +585,7 @@ void short_rows_moments(const T* const* rows, Index n, double* mu, double* q) {
   for (Index p = 0; p < packets; ++p) {
     const Packet inv = pset1<Packet>(recip[static_cast<std::size_t>(p + 1)]);
     for (int r = 0; r < R; ++r) {
-      const Packet d = psub(ploadu<Packet>(rows[r] + p * L), pset1<Packet>(rows[r][0]));
+      const Packet d = psub(load_widened<Packet>(rows[r] + p * L), pset1<Packet>(static_cast<T>(rows[r][0])));
       const Packet delta = psub(d, mean[r]);
       mean[r] = pmadd(delta, inv, mean[r]);
       m2[r] = pmadd(delta, psub(d, mean[r]), m2[r]);
@@ -598,7 +602,7 @@ void short_rows_moments(const T* const* rows, Index n, double* mu, double* q) {
     const Packet inv = pset1<Packet>(recip[static_cast<std::size_t>(packets + 1)]);
     const Packet mask = pcmp_le(pset1<Packet>(static_cast<T>(L - rest)), plset<Packet>(T(0)));
     for (int r = 0; r < R; ++r) {
-      const Packet d = psub(ploadu<Packet>(rows[r] + n - L), pset1<Packet>(rows[r][0]));
+      const Packet d = psub(load_widened<Packet>(rows[r] + n - L), pset1<Packet>(static_cast<T>(rows[r][0])));
       const Packet delta = pand(psub(d, mean[r]), mask);
       mean[r] = pmadd(delta, inv, mean[r]);
       m2[r] = pmadd(delta, psub(d, mean[r]), m2[r]);
@@ -654,17 +658,17 @@ void short_rows_moments(const T* const* rows, Index n, double* mu, double* q) {
     alignas(64) double tm[R];
     alignas(64) double tq[R];
     for (int r = 0; r < R; ++r) {
-      const double pivot = static_cast<double>(rows[r][0]);
+      const double pivot = static_cast<double>(static_cast<T>(rows[r][0]));
       double sum = 0;
-      for (Index j = full; j < n; ++j) sum += static_cast<double>(rows[r][j]) - pivot;
+      for (Index j = full; j < n; ++j) sum += static_cast<double>(static_cast<T>(rows[r][j])) - pivot;
       tm[r] = sum;
     }
     pstore(tm, pdiv(pload<PD>(tm), pset1<PD>(static_cast<double>(rest))));
     for (int r = 0; r < R; ++r) {
-      const double pivot = static_cast<double>(rows[r][0]);
+      const double pivot = static_cast<double>(static_cast<T>(rows[r][0]));
       double qq = 0;
       for (Index j = full; j < n; ++j) {
-        const double d = static_cast<double>(rows[r][j]) - pivot - tm[r];
+        const double d = static_cast<double>(static_cast<T>(rows[r][j])) - pivot - tm[r];
         qq += d * d;
       }
       tq[r] = qq;
@@ -688,7 +692,8 @@ void short_rows_moments(const T* const* rows, Index n, Welford<double>* out) {
 /// at x + r * ld, as rows_moments computes them but split into their means
 /// (shifted by the row's first value) and M2s: mu[r], q[r] for r < G, the
 /// rows past `count` repeating the last one. G: a multiple of
-/// simd<double>::L.
+/// simd<double>::L. T: the rows' storage type (16-bit rows are widened as
+/// they are read).
 template <int G, typename T>
 void short_rows_moments_split(const T* x, Index n, Index ld, Index count, double* mu, double* q) {
   constexpr int R = simd<double>::L;
@@ -996,9 +1001,10 @@ namespace detail {
 /// Sums of squares of simd<double>::L short rows (n < kShortRowPackets full
 /// packets) side by side, as short_rows_moments: one accumulator per row,
 /// the lanes widened, transposed and summed by halving in double, then the
-/// tail in double. A row's result depends only on its values and n.
-template <typename T, typename Packet = typename narrow_simd<T>::Packet>
-void short_rows_sum_squares(const T* const* rows, Index n, double* out) {
+/// tail in double. A row's result depends only on its values and n. Rows
+/// stored as a 16-bit S are widened as they are read (as short_rows_moments).
+template <typename S, typename T = compute_of<S>, typename Packet = typename narrow_simd<T>::Packet>
+void short_rows_sum_squares(const S* const* rows, Index n, double* out) {
   using namespace Eigen::internal;
   constexpr int L = unpacket_traits<Packet>::size;
   constexpr int R = simd<double>::L;
@@ -1007,7 +1013,7 @@ void short_rows_sum_squares(const T* const* rows, Index n, double* out) {
   for (int r = 0; r < R; ++r) acc[r] = pset1<Packet>(T(0));
   for (Index p = 0; p < packets; ++p) {
     for (int r = 0; r < R; ++r) {
-      const Packet v = ploadu<Packet>(rows[r] + p * L);
+      const Packet v = load_widened<Packet>(rows[r] + p * L);
       acc[r] = pmadd(v, v, acc[r]);
     }
   }
@@ -1019,7 +1025,10 @@ void short_rows_sum_squares(const T* const* rows, Index n, double* out) {
   pstore(sum, st[0]);
   for (int r = 0; r < R; ++r) {
     double total = sum[r];
-    for (Index j = packets * L; j < n; ++j) total += static_cast<double>(rows[r][j]) * static_cast<double>(rows[r][j]);
+    for (Index j = packets * L; j < n; ++j) {
+      const double v = static_cast<double>(static_cast<T>(rows[r][j]));
+      total += v * v;
+    }
     out[r] = total;
   }
 }
@@ -1029,17 +1038,19 @@ void short_rows_sum_squares(const T* const* rows, Index n, double* out) {
 /// row_sum_squares of `count` rows of n values, row r at x + r * ld. Short
 /// rows go a group at a time (detail::short_rows_sum_squares; a partial
 /// group repeats its last row); a row's result depends only on its values
-/// and n, not on count, its neighbours or threads.
-template <typename T>
-void rows_sum_squares(const T* x, Index n, Index ld, Index count, double* out) {
+/// and n, not on count, its neighbours or threads. Rows stored as a 16-bit S
+/// are widened to float as they are read: the same sums as the widened rows.
+template <typename S>
+void rows_sum_squares(const S* x, Index n, Index ld, Index count, double* out) {
+  using T = detail::compute_of<S>;
   constexpr int L = detail::simd<T>::L;
   if (n >= detail::kShortRowPackets * L || n <= 0) {
-    for (Index r = 0; r < count; ++r) out[r] = row_sum_squares(x + r * ld, n);
+    for (Index r = 0; r < count; ++r) out[r] = detail::sum_squares_of<T>(detail::WidenValues<S, T>{x + r * ld}, n);
     return;
   }
   constexpr int R = detail::simd<double>::L;
   for (Index r0 = 0; r0 < count; r0 += R) {
-    const T* rows[R];
+    const S* rows[R];
     double ss[R];
     for (int r = 0; r < R; ++r) rows[r] = x + std::min<Index>(r0 + r, count - 1) * ld;
     detail::short_rows_sum_squares(rows, n, ss);
@@ -1094,12 +1105,21 @@ bool m2_underflowed(double m2, double count, double eps) {
   return m2 < kSafeLow<T> * count && eps < kSafeLow<T> * 1e7;
 }
 
+/// Whether a row's SIMD moments (M2 accumulated in T) of n values can be
+/// trusted without looking at the values again: finite, and not
+/// m2_underflowed. needs_exact_moments' first test.
+template <typename T>
+bool moments_in_range(const Welford<double>& w, Index n, double eps) {
+  return std::isfinite(w.m2()) && std::isfinite(w.mean()) &&
+         !m2_underflowed<T>(w.m2(), static_cast<double>(n), eps);
+}
+
 /// True when a row's SIMD moments (M2 accumulated in T) cannot be trusted:
 /// M2 overflowed while the values are finite, or m2_underflowed.
 template <typename T>
 bool needs_exact_moments(const Welford<double>& w, const T* x, Index n, Index stride, double eps) {
-  const double m2 = w.m2();
-  if (std::isfinite(m2) && std::isfinite(w.mean())) return m2_underflowed<T>(m2, static_cast<double>(n), eps);
+  if (moments_in_range<T>(w, n, eps)) return false;
+  if (std::isfinite(w.m2()) && std::isfinite(w.mean())) return true;  // M2 underflowed
   return std::isfinite(max_abs(x, n, stride));  // non-finite input: NaN is the answer
 }
 

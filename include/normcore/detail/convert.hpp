@@ -25,6 +25,38 @@ struct is_storage16
     : std::integral_constant<bool, std::is_same<S, Eigen::bfloat16>::value ||
                                        std::is_same<S, Eigen::half>::value> {};
 
+/// The type the arithmetic on values stored as S runs in: float for the
+/// 16-bit types, S itself otherwise.
+template <typename S>
+using compute_of = typename std::conditional<is_storage16<S>::value, float, S>::type;
+
+/// Eigen's packet of S that holds L values, where it has one: its full
+/// packet, or its half (with AVX-512, Packet8bf for 256-bit float packets).
+template <typename S, int L,
+          bool Full = Eigen::internal::unpacket_traits<typename Eigen::internal::packet_traits<S>::type>::size == L>
+struct storage_packet {
+  using type = typename Eigen::internal::packet_traits<S>::type;
+};
+template <typename S, int L>
+struct storage_packet<S, L, false> {
+  using type = typename Eigen::internal::packet_traits<S>::half;
+};
+
+/// Whether packets of L floats convert to and from half through F16C here
+/// (Eigen 3.4 enables its own F16C conversions only for clang).
+template <typename S, int L>
+constexpr bool f16c_io() {
+#ifdef NORMCORE_F16C
+#ifdef EIGEN_VECTORIZE_AVX512
+  return std::is_same<S, Eigen::half>::value && (L == 8 || L == 16);
+#else
+  return std::is_same<S, Eigen::half>::value && L == 8;
+#endif
+#else
+  return false;
+#endif
+}
+
 /// Whether this build converts whole packets of L floats to and from a
 /// 16-bit S one packet at a time (the conversions of mixed.hpp's convert_n);
 /// always true for float and double, which are their own compute type.
@@ -37,21 +69,39 @@ constexpr bool packet_io() {
     return true;
   } else if constexpr (!is_storage16<S>::value || L <= 1) {
     return false;
+  } else if constexpr (f16c_io<S, L>()) {
+    return true;
   } else {
-#ifdef NORMCORE_F16C
-    if constexpr (std::is_same<S, Eigen::half>::value) {
-#ifdef EIGEN_VECTORIZE_AVX512
-      return L == 8 || L == 16;
-#else
-      return L == 8;
-#endif
-    }
-#endif
-    // Otherwise Eigen's own conversions, wherever its packet of S is as wide
-    // (half only where F16C is not, as in convert_n).
-    return unpacket_traits<typename packet_traits<S>::type>::size == L;
+    // Otherwise Eigen's own conversions, wherever its packet of S, or the
+    // half of it, is as wide (half only where F16C is not, as in convert_n).
+    return unpacket_traits<typename storage_packet<S, L>::type>::size == L;
   }
 }
+
+#ifdef NORMCORE_F16C
+/// F16C's conversions of 8 or 16 halves (f16c_io).
+template <typename Packet>
+EIGEN_ALWAYS_INLINE Packet f16c_load(const Eigen::half* p) {
+  if constexpr (Eigen::internal::unpacket_traits<Packet>::size == 8) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#ifdef EIGEN_VECTORIZE_AVX512
+  } else {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#endif
+  }
+}
+template <typename Packet>
+EIGEN_ALWAYS_INLINE void f16c_store(Eigen::half* p, const Packet& v) {
+  if constexpr (Eigen::internal::unpacket_traits<Packet>::size == 8) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#ifdef EIGEN_VECTORIZE_AVX512
+  } else {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                        _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#endif
+  }
+}
+#endif
 
 /// L values stored as S at p, widened to a packet of floats (exact); a
 /// plain load when S is the packet's own type.
@@ -61,19 +111,13 @@ EIGEN_ALWAYS_INLINE Packet load_widened(const S* p) {
   constexpr int L = unpacket_traits<Packet>::size;
   if constexpr (std::is_same<S, typename unpacket_traits<Packet>::type>::value) {
     return ploadu<Packet>(p);
+#ifdef NORMCORE_F16C
+  } else if constexpr (f16c_io<S, L>()) {
+    return f16c_load<Packet>(p);
+#endif
   } else {
     static_assert(packet_io<S, L>(), "load_widened: no packet conversion from S in this build");
-#ifdef NORMCORE_F16C
-    if constexpr (std::is_same<S, Eigen::half>::value && L == 8) {
-      return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    }
-#ifdef EIGEN_VECTORIZE_AVX512
-    if constexpr (std::is_same<S, Eigen::half>::value && L == 16) {
-      return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-    }
-#endif
-#endif
-    using PS = typename packet_traits<S>::type;
+    using PS = typename storage_packet<S, L>::type;
     return pcast<PS, Packet>(ploadu<PS>(p));
   }
 }
@@ -86,22 +130,13 @@ EIGEN_ALWAYS_INLINE void store_narrowed(S* p, const Packet& v) {
   constexpr int L = unpacket_traits<Packet>::size;
   if constexpr (std::is_same<S, typename unpacket_traits<Packet>::type>::value) {
     pstoreu(p, v);
+#ifdef NORMCORE_F16C
+  } else if constexpr (f16c_io<S, L>()) {
+    f16c_store(p, v);
+#endif
   } else {
     static_assert(packet_io<S, L>(), "store_narrowed: no packet conversion to S in this build");
-#ifdef NORMCORE_F16C
-    if constexpr (std::is_same<S, Eigen::half>::value && L == 8) {
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-      return;
-    }
-#ifdef EIGEN_VECTORIZE_AVX512
-    if constexpr (std::is_same<S, Eigen::half>::value && L == 16) {
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
-                          _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-      return;
-    }
-#endif
-#endif
-    using PS = typename packet_traits<S>::type;
+    using PS = typename storage_packet<S, L>::type;
     pstoreu(p, pcast<Packet, PS>(v));
   }
 }
