@@ -151,12 +151,17 @@ TEST(Fused, AddLayerNormEqualsAddThenNorm) {
 // plain forward's on h, bit for bit, also with h over the residual and y
 // over x.
 template <typename S, typename Layer>
-void check_fused16(Layer& layer, Index rows, Index n) {
-  SCOPED_TRACE(::testing::Message() << rows << "x" << n);
+void check_fused16(Layer& layer, Index rows, Index n, float scale = 1.0f) {
+  SCOPED_TRACE(::testing::Message() << rows << "x" << n << " scale " << scale);
   using M16 = Eigen::TensorMap<Eigen::Tensor<S, 2, Eigen::RowMajor>>;
   const std::size_t N = static_cast<std::size_t>(rows * n);
-  const auto xs = to16<S>(randn<float>(N, 51, 0.5, 1.0));
-  const auto rs = to16<S>(randn<float>(N, 52, 0.0, 3.0));
+  auto xv = randn<float>(N, 51, 0.5, 1.0), rv = randn<float>(N, 52, 0.0, 3.0);
+  for (std::size_t i = 0; i < N; ++i) {
+    xv[i] *= scale;
+    rv[i] *= scale;
+  }
+  const auto xs = to16<S>(xv);
+  const auto rs = to16<S>(rv);
   for (int mode = 0; mode < 3; ++mode) {  // apart; h over residual; and y over x
     auto xw = xs, rw = rs;
     std::vector<S> hb(N), yb(N);
@@ -200,6 +205,21 @@ TEST(Fused, BFloat16RowsFromHItself) {
   normcore::RMSNorm<float> rn(normcore::RMSNormOptions({1024}));
   rn.weight().setRandom();
   check_fused16<Eigen::bfloat16>(rn, 3200, 1024);
+}
+// Rows whose squares leave float's range (bfloat16 at 1e25 and 1e-25): the
+// exact paths widen rows of h, short and long ones.
+TEST(Fused, BFloat16RowsBeyondFloatSquaresFromHItself) {
+  for (Index n : {Index(64), Index(300), Index(768)}) {
+    normcore::LayerNorm<float> ln(normcore::LayerNormOptions({n}));
+    ln.weight().setRandom();
+    ln.bias().setRandom();
+    normcore::RMSNorm<float> rn(normcore::RMSNormOptions({n}));
+    rn.weight().setRandom();
+    for (float scale : {1e25f, 1e-25f}) {
+      check_fused16<Eigen::bfloat16>(ln, 9, n, scale);
+      check_fused16<Eigen::bfloat16>(rn, 9, n, scale);
+    }
+  }
 }
 TEST(Fused, HalfRowsFromHItself) {
   check_fused16_layers<Eigen::half>();

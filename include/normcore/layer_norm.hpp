@@ -251,7 +251,7 @@ class LayerNorm {
                              T* rstd = st ? st->rstd.data() + r0 : nullptr;
                              if constexpr (std::is_same<std::decay_t<decltype(*yb)>, T>::value) {
                                forward_rows(xb, yb, size_, count, mean, rstd, prm.gamma, prm.beta);
-                             } else {  // long 16-bit rows
+                             } else {  // 16-bit rows, from h itself
                                forward_rows_widened(xb, yb, size_, count, mean, rstd, prm.gamma, prm.beta, false);
                              }
                            },
@@ -335,8 +335,7 @@ class LayerNorm {
     const bool streaming = detail::streaming_input<S, T>(rows, n);
     if (xv.row_major) {
       detail::run_parts(device, parts, [&](Index p) {
-        if constexpr (!std::is_same<S, T>::value && detail::packet_io<S, L>() &&
-                      detail::packet_io<S, detail::narrow_simd<T>::L>()) {
+        if constexpr (!std::is_same<S, T>::value && detail::packet_io<S, L>()) {
           if (n > 0) {  // 16-bit rows, read as they are
             const Index b0 = split.begin(p);
             forward_rows_widened(xv.data + b0 * n, out + b0 * n, n, split.begin(p + 1) - b0,
@@ -345,8 +344,9 @@ class LayerNorm {
             return;
           }
         }
-        // 16-bit rows in builds without packet conversions: widened a block
-        // at a time, normalized in float, rounded once on the way out.
+        // Rows stored as T; and 16-bit rows in builds without packet
+        // conversions: widened a block at a time, normalized in float,
+        // rounded once on the way out.
         detail::rows_in_compute_type<T>(xv.data, out, n, split.begin(p), split.begin(p + 1),
                                         [&](const T* xb, T* yb, Index m, Index r0) {
                                           forward_rows(xb, yb, n, m, mean ? mean + r0 : nullptr,
@@ -421,7 +421,7 @@ class LayerNorm {
                             const T* b, bool large) const {
     const bool short_rows = n < detail::kShortMomentsValues<T>;
     const Index group = large && !short_rows ? 1 : detail::rows_per_group(n, sizeof(T), kCoeffGroup);
-    std::vector<T> row;  // rows widened for the exact path
+    std::vector<T> row;  // rows widened for the exact path (or without narrow packets)
     auto widened = [&](Index r, Index m) {
       row.resize(static_cast<std::size_t>(m * n));
       detail::convert_n(x + r * n, row.data(), m * n);
@@ -432,14 +432,18 @@ class LayerNorm {
       const Index m = std::min(group, count - r0);
       const S* xg = x + r0 * n;
       if (short_rows) {  // as row_coeffs(x, n, m, CoeffGroup&)
-        alignas(64) double mu[kCoeffGroup];
-        alignas(64) double q[kCoeffGroup];
-        alignas(64) T pivot[kCoeffGroup];
-        detail::short_rows_moments_split<kCoeffGroup>(xg, n, n, m, mu, q);
-        for (Index i = 0; i < kCoeffGroup; ++i) pivot[i] = static_cast<T>(xg[std::min(i, m - 1) * n]);
-        if (detail::moments_all_fine<T>(mu, q, n, options_.eps())) {
-          detail::coeffs_group(pivot, mu, q, n, options_.eps(), k);
-        } else {
+        if constexpr (detail::packet_io<S, detail::narrow_simd<T>::L>()) {
+          alignas(64) double mu[kCoeffGroup];
+          alignas(64) double q[kCoeffGroup];
+          alignas(64) T pivot[kCoeffGroup];
+          detail::short_rows_moments_split<kCoeffGroup>(xg, n, n, m, mu, q);
+          for (Index i = 0; i < kCoeffGroup; ++i) pivot[i] = static_cast<T>(xg[std::min(i, m - 1) * n]);
+          if (detail::moments_all_fine<T>(mu, q, n, options_.eps())) {
+            detail::coeffs_group(pivot, mu, q, n, options_.eps(), k);
+          } else {
+            row_coeffs(widened(r0, m), n, m, k);
+          }
+        } else {  // no 16-bit packets as narrow as the short-row kernels'
           row_coeffs(widened(r0, m), n, m, k);
         }
       } else {

@@ -9,8 +9,9 @@
 //     computes in float and saves its statistics in float.
 // RowMajor rows are read as stored, each packet widened as it is loaded and
 // rounded as it is stored (detail/convert.hpp), where the build converts
-// whole packets: the row-wise backwards, and the forwards' long rows. Other
-// rows are widened a block at a time into small float buffers (convert_n).
+// whole packets (detail::packet_io): the row-wise forwards and backwards and
+// the fused residual forwards. In other builds rows are widened a block at
+// a time into small float buffers (convert_n).
 // Either way memory sees one read of each input and one write of each
 // output.
 #pragma once
@@ -35,11 +36,6 @@ constexpr bool is_16bit() {
   return is_storage16<typename tensor_traits<X>::Scalar>::value;
 }
 
-/// The arithmetic type of a layer whose parameters are stored as P: float
-/// for the 16-bit types, P itself otherwise.
-template <typename P>
-using compute_t = std::conditional_t<is_storage16<P>::value, float, P>;
-
 template <typename P>
 constexpr void check_param_type() {
   static_assert(std::is_same<P, float>::value || std::is_same<P, double>::value ||
@@ -48,9 +44,10 @@ constexpr void check_param_type() {
 }
 
 /// Copies n values from S to D (a no-op conversion when S is D). 16-bit to
-/// float and back go through Eigen's packet casts when this build has a
-/// 16-bit packet as wide as the float one; the scalar conversions round the
-/// same way (to nearest even), so the tail matches the body.
+/// float and back go through F16C (half) or Eigen's packet casts when this
+/// build has them (kEigenPacketCasts) for a 16-bit packet as wide as the
+/// float one; the scalar conversions round the same way (to nearest even),
+/// so the tail matches the body.
 template <typename S, typename D>
 void convert_n(const S* src, D* dst, Index n) {
   using namespace Eigen::internal;
@@ -75,14 +72,14 @@ void convert_n(const S* src, D* dst, Index n) {
       using PF = typename simd<float>::Packet;
       using PS = typename packet_traits<S>::type;
       constexpr int L = simd<float>::L;
-      if constexpr (L > 1 && unpacket_traits<PS>::size == L) {
+      if constexpr (kEigenPacketCasts && L > 1 && unpacket_traits<PS>::size == L) {
         for (; i + L <= n; i += L) pstoreu(dst + i, pcast<PS, PF>(ploadu<PS>(src + i)));
       }
     } else if constexpr (std::is_same<S, float>::value && is_storage16<D>::value) {
       using PF = typename simd<float>::Packet;
       using PD = typename packet_traits<D>::type;
       constexpr int L = simd<float>::L;
-      if constexpr (L > 1 && unpacket_traits<PD>::size == L) {
+      if constexpr (kEigenPacketCasts && L > 1 && unpacket_traits<PD>::size == L) {
         for (; i + L <= n; i += L) pstoreu(dst + i, pcast<PF, PD>(ploadu<PF>(src + i)));
       }
     }
@@ -430,8 +427,7 @@ void fused_add_norm(const Device& device, const char* who, const std::vector<Ind
   }
   run_parts(device, parts, [&](Index p) {
     const Index b = split.begin(p), e = split.begin(p + 1);
-    constexpr bool direct16 = !std::is_same<S, T>::value && packet_io<S, simd<T>::L>() &&
-                              packet_io<S, narrow_simd<T>::L>();
+    constexpr bool direct16 = !std::is_same<S, T>::value && packet_io<S, simd<T>::L>();
     // Long 16-bit rows of an input of kStreamingBytes or more as T: one row
     // per block (add, then normalize from h in L1), as the float path's rows.
     const bool one_row = direct16 && n >= long_row && rows * n * static_cast<Index>(sizeof(T)) >= kStreamingBytes;

@@ -213,7 +213,7 @@ class RMSNorm {
                              T* rstd = st ? st->rstd.data() + r0 : nullptr;
                              if constexpr (std::is_same<std::decay_t<decltype(*yb)>, T>::value) {
                                forward_rows(xb, yb, size_, count, rstd, prm.gamma);
-                             } else {  // long 16-bit rows
+                             } else {  // 16-bit rows, from h itself
                                forward_rows_widened(xb, yb, size_, count, rstd, prm.gamma, false);
                              }
                            },
@@ -385,8 +385,7 @@ class RMSNorm {
     const bool streaming = detail::streaming_input<S, T>(rows, n);
     if (xv.row_major) {
       detail::run_parts(device, parts, [&](Index p) {
-        if constexpr (!std::is_same<S, T>::value && detail::packet_io<S, L>() &&
-                      detail::packet_io<S, detail::narrow_simd<T>::L>()) {
+        if constexpr (!std::is_same<S, T>::value && detail::packet_io<S, L>()) {
           if (n > 0) {  // 16-bit rows, read as they are
             const Index b0 = split.begin(p);
             forward_rows_widened(xv.data + b0 * n, out + b0 * n, n, split.begin(p + 1) - b0,
@@ -544,12 +543,20 @@ class RMSNorm {
   void forward_rows_widened(const S* x, S* out, Index n, Index count, T* rsave, const T* g, bool large) const {
     const bool short_rows = n < detail::kShortRowPackets * detail::simd<T>::L;
     const Index group = large && !short_rows ? 1 : detail::rows_per_group(n, sizeof(T), kRstdGroup);
-    std::vector<T> row;  // a row widened for the exact path
+    std::vector<T> row;  // rows widened for the exact path (or without narrow packets)
     for (Index r0 = 0; r0 < count; r0 += group) {
       const Index m = std::min(group, count - r0);
       double ss[kRstdGroup];
       W rg[kRstdGroup];
-      rows_sum_squares(x + r0 * n, n, n, m, ss);
+      if constexpr (detail::packet_io<S, detail::narrow_simd<T>::L>()) {
+        rows_sum_squares(x + r0 * n, n, n, m, ss);
+      } else if (short_rows) {  // no 16-bit packets as narrow as the short-row kernel's
+        row.resize(static_cast<std::size_t>(m * n));
+        detail::convert_n(x + r0 * n, row.data(), m * n);
+        rows_sum_squares(static_cast<const T*>(row.data()), n, n, m, ss);
+      } else {
+        for (Index i = 0; i < m; ++i) ss[i] = detail::sum_squares_of<T>(detail::WidenValues<S, T>{x + (r0 + i) * n}, n);
+      }
       rstd_of_sums(ss, n, m,
                    [&](Index i) {
                      row.resize(static_cast<std::size_t>(n));

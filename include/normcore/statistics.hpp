@@ -328,8 +328,7 @@ constexpr Index kStreamingBytes = Index(12) << 20;
 
 /// Whether a forward over `rows` rows of n values stored as S (computed in
 /// T) streams: inputs of kStreamingBytes or more, stored in the compute
-/// type (16-bit rows are normalized from a widened copy that is already in
-/// cache).
+/// type (16-bit rows have their own gate: see forward_rows_widened).
 template <typename S, typename T>
 bool streaming_input(Index rows, Index n) {
   return std::is_same<S, T>::value && rows * n * static_cast<Index>(sizeof(S)) >= kStreamingBytes;
@@ -389,9 +388,9 @@ bool prefetch_next_row(Index rows, Index n) {
 /// Whether a row-wise forward's normalize pass requests the next row as it
 /// goes (RequestNext): rows of more than kRequestRowBytes, up to
 /// max_row_bytes, of a streaming input (rows that long go one at a time,
-/// forward_group). Measured on Zen 4, RMSNorm forward: 0.82-0.85x the time
-/// at 4096x4096, 16384x4096 and 16384x2048, 0.87-0.91x at 24576x1536 and
-/// 2048x8192; rows of 1024 floats 1.12-1.2x at 4096x1024 and 8192x1024,
+/// forward_group). Measured on Zen 4, RMSNorm forward: 0.80-0.85x the time
+/// at 4096x4096, 16384x4096 and 16384x2048, 0.76-0.91x at 24576x1536 and
+/// 2048x8192; rows of 1024 floats 1.12-1.36x at 4096x1024 and 8192x1024,
 /// 0.99x at 65536x1024. LayerNorm forward, whose normalize pass also reads
 /// gamma and beta: 0.79-0.85x with rows of 1536 and 2048 floats, 0.96-0.97x
 /// at 2560 and 3072, 1.12-1.21x at 4096 and 8192; so its limit is 8 KB.
@@ -569,7 +568,7 @@ EIGEN_ALWAYS_INLINE void sum_lanes_by_halving(PD* a) {
 /// Rows stored as a 16-bit S are widened to T (float) packet by packet as
 /// they are read (load_widened): the same values, so the same bits, as rows
 /// widened beforehand.
-template <typename S, typename T = compute_of<S>, typename Packet = typename narrow_simd<T>::Packet>
+template <typename S, typename T = compute_t<S>, typename Packet = typename narrow_simd<T>::Packet>
 void short_rows_moments(const S* const* rows, Index n, double* mu, double* q) {
   using namespace Eigen::internal;
   using PD = typename simd<double>::Packet;
@@ -1003,7 +1002,7 @@ namespace detail {
 /// the lanes widened, transposed and summed by halving in double, then the
 /// tail in double. A row's result depends only on its values and n. Rows
 /// stored as a 16-bit S are widened as they are read (as short_rows_moments).
-template <typename S, typename T = compute_of<S>, typename Packet = typename narrow_simd<T>::Packet>
+template <typename S, typename T = compute_t<S>, typename Packet = typename narrow_simd<T>::Packet>
 void short_rows_sum_squares(const S* const* rows, Index n, double* out) {
   using namespace Eigen::internal;
   constexpr int L = unpacket_traits<Packet>::size;
@@ -1042,7 +1041,7 @@ void short_rows_sum_squares(const S* const* rows, Index n, double* out) {
 /// are widened to float as they are read: the same sums as the widened rows.
 template <typename S>
 void rows_sum_squares(const S* x, Index n, Index ld, Index count, double* out) {
-  using T = detail::compute_of<S>;
+  using T = detail::compute_t<S>;
   constexpr int L = detail::simd<T>::L;
   if (n >= detail::kShortRowPackets * L || n <= 0) {
     for (Index r = 0; r < count; ++r) out[r] = detail::sum_squares_of<T>(detail::WidenValues<S, T>{x + r * ld}, n);

@@ -3,8 +3,11 @@
 // widened exactly as it is loaded and rounded once (to nearest even) as it
 // is stored, so that kernels can take 16-bit rows without staging them in
 // float buffers. F16C for half (Eigen 3.4 enables its own F16C conversions
-// only for clang), Eigen's packet casts for bfloat16 (AVX512-BF16, AVX2,
-// NEON).
+// only for clang), Eigen's packet casts for bfloat16 where Eigen 3.4 has
+// them (its x86 AVX and AVX-512 backends; AVX512-BF16 instructions where
+// the build has them). Elsewhere (SSE-only x86, NEON, whose backend has no
+// casts for its 16-bit packets) packet_io is false and the layers widen
+// rows a block at a time through convert_n's scalar conversions.
 #pragma once
 
 #include <type_traits>
@@ -25,13 +28,23 @@ struct is_storage16
     : std::integral_constant<bool, std::is_same<S, Eigen::bfloat16>::value ||
                                        std::is_same<S, Eigen::half>::value> {};
 
-/// The type the arithmetic on values stored as S runs in: float for the
-/// 16-bit types, S itself otherwise.
-template <typename S>
-using compute_of = typename std::conditional<is_storage16<S>::value, float, S>::type;
+/// The arithmetic type of values (or of a layer whose parameters are)
+/// stored as P: float for the 16-bit types, P itself otherwise.
+template <typename P>
+using compute_t = std::conditional_t<is_storage16<P>::value, float, P>;
+
+/// Whether this build has Eigen's packet casts between float's packets and
+/// the 16-bit ones of the same width (pcast): Eigen 3.4 defines them in its
+/// x86 AVX and AVX-512 backends only.
+#if defined(EIGEN_VECTORIZE_AVX)
+constexpr bool kEigenPacketCasts = true;
+#else
+constexpr bool kEigenPacketCasts = false;
+#endif
 
 /// Eigen's packet of S that holds L values, where it has one: its full
-/// packet, or its half (with AVX-512, Packet8bf for 256-bit float packets).
+/// packet, or its half (with AVX-512, Packet8bf for the 256-bit float
+/// packets of the short-row kernels).
 template <typename S, int L,
           bool Full = Eigen::internal::unpacket_traits<typename Eigen::internal::packet_traits<S>::type>::size == L>
 struct storage_packet {
@@ -58,7 +71,7 @@ constexpr bool f16c_io() {
 }
 
 /// Whether this build converts whole packets of L floats to and from a
-/// 16-bit S one packet at a time (the conversions of mixed.hpp's convert_n);
+/// 16-bit S one packet at a time (F16C for half, else Eigen's packet casts);
 /// always true for float and double, which are their own compute type.
 /// Kernels that take 16-bit rows directly need it; without it, they stage
 /// rows in float buffers through convert_n.
@@ -71,10 +84,16 @@ constexpr bool packet_io() {
     return false;
   } else if constexpr (f16c_io<S, L>()) {
     return true;
-  } else {
-    // Otherwise Eigen's own conversions, wherever its packet of S, or the
-    // half of it, is as wide (half only where F16C is not, as in convert_n).
+  } else if constexpr (!kEigenPacketCasts) {
+    return false;
+  } else if constexpr (std::is_same<S, Eigen::bfloat16>::value) {
+    // Eigen's casts, wherever its bfloat16 packet, or the half of it, is
+    // as wide.
     return unpacket_traits<typename storage_packet<S, L>::type>::size == L;
+  } else {
+    // half where F16C is not: Eigen's casts of its full packet only (as in
+    // convert_n; with AVX-512 it has none for the half of it).
+    return unpacket_traits<typename packet_traits<S>::type>::size == L;
   }
 }
 
