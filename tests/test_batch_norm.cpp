@@ -178,10 +178,10 @@ TYPED_TEST(BatchNormTest, LargeBackwardStreamingSameBitsAsOrdinaryStores) {
 // loop applies the same fma(x - pivot, scale, shift) per value, whichever
 // runs. Channels below one packet (scalars), one to eight packets of
 // channels with their constants in registers (with leftover channels or
-// not), more channels four rows per load of the constants on inputs under
-// 12 MB (row counts not a multiple of four too) and one row at a time
-// above; the pivot's subtraction left out when every pivot is +0, kept when
-// one is not (a large running mean, or zero variance). Inputs hold -0 and 0.
+// not), more channels a row at a time (small inputs and one just over
+// 12 MB, whose output takes streaming stores); the pivot's subtraction left
+// out when every pivot is +0, kept when one is not (a large running mean,
+// or zero variance). Inputs hold -0 and 0.
 TYPED_TEST(BatchNormTest, ChannelsLastEvalSameBitsAsChannelsFirst) {
   using T = TypeParam;
   const Index big = (Index(12) << 20) / (144 * Index(sizeof(T))) + 3;  // 144 channels, just over 12 MB

@@ -555,7 +555,6 @@ class BatchNorm {
     const detail::Split split = segment_split(device, v);
     // Whether any pivot is other than +0 (see normalize_channels_last).
     const bool pivots = std::any_of(piv.begin(), piv.end(), [](T p) { return p != T(0) || std::signbit(p); });
-    const bool quads = v.outer * C * static_cast<Index>(sizeof(T)) < kQuadsBelowBytes;
     // Streaming stores for y on inputs of detail::kStreamingBytes or more
     // when every packet store lands on a packet boundary: y aligned, and
     // rows (channels-last) or segments (channels-first) of whole packets;
@@ -567,10 +566,10 @@ class BatchNorm {
     detail::run_parts(device, split.parts, [&](Index p) {
       const Index s0 = split.begin(p), s1 = split.begin(p + 1);
       if (stream) {
-        normalize_part<true>(x, y, v, s0, s1, piv.data(), sc.data(), bs.data(), pivots, quads);
+        normalize_part<true>(x, y, v, s0, s1, piv.data(), sc.data(), bs.data(), pivots);
         detail::stream_fence();
       } else {
-        normalize_part<false>(x, y, v, s0, s1, piv.data(), sc.data(), bs.data(), pivots, quads);
+        normalize_part<false>(x, y, v, s0, s1, piv.data(), sc.data(), bs.data(), pivots);
       }
     });
   }
@@ -578,16 +577,16 @@ class BatchNorm {
   // Segments [s0, s1) of normalize (channels-last: rows).
   template <bool Stream>
   static void normalize_part(const T* x, T* y, const View& v, Index s0, Index s1, const T* piv, const T* sc,
-                             const T* bs, bool pivots, bool quads) {
+                             const T* bs, bool pivots) {
     using namespace Eigen::internal;
     using Packet = typename detail::simd<T>::Packet;
     constexpr int L = detail::simd<T>::L;
     const Index C = v.C;
     if (v.inner == 1) {
       if (pivots)
-        normalize_channels_last<true, Stream>(x, y, C, s0, s1, piv, sc, bs, quads);
+        normalize_channels_last<true, Stream>(x, y, C, s0, s1, piv, sc, bs);
       else
-        normalize_channels_last<false, Stream>(x, y, C, s0, s1, piv, sc, bs, quads);
+        normalize_channels_last<false, Stream>(x, y, C, s0, s1, piv, sc, bs);
       return;
     }
     if (v.inner >= L && v.inner < detail::kShortRowPackets * L) {
@@ -606,11 +605,6 @@ class BatchNorm {
       if (++cc == C) cc = 0;  // no division per segment
     }
   }
-
-  // Channels-last inputs (x alone) under this many bytes take four rows per
-  // load of the channel constants (see normalize_channels_last). Measured:
-  // 0.65-0.8x the time at 6-8 MB, 1.3-1.7x at 19-51 MB.
-  static constexpr Index kQuadsBelowBytes = Index(12) << 20;
 
   // One packet of y = fma(x - pp, ps, pb); without Pivot, fma(x, ps, pb).
   // Stream: a streaming store (y aligned).
@@ -637,19 +631,18 @@ class BatchNorm {
       for (int k = 0; k < NP; ++k)
         normalize_packet<Pivot, Stream>(x + o * C + k * L, y + o * C + k * L, pp[k], ps[k], pb[k]);
   }
-  template <bool Pivot, bool Stream, int Rows>
+  template <bool Pivot, bool Stream>
   static void normalize_lane_rows(const T* x, T* y, Index C, Index o0, Index o1, const T* piv, const T* sc,
                                   const T* bs) {
     using namespace Eigen::internal;
     using Packet = typename detail::simd<T>::Packet;
     constexpr int L = detail::simd<T>::L;
     const Index full = C / L * L;
-    for (Index o = o0; o < o1; o += Rows)
+    for (Index o = o0; o < o1; ++o)
       for (Index c = 0; c < full; c += L) {
         const Packet pp = Pivot ? ploadu<Packet>(piv + c) : pset1<Packet>(T(0));
-        const Packet ps = ploadu<Packet>(sc + c), pb = ploadu<Packet>(bs + c);
-        for (int r = 0; r < Rows; ++r)
-          normalize_packet<Pivot, Stream>(x + (o + r) * C + c, y + (o + r) * C + c, pp, ps, pb);
+        normalize_packet<Pivot, Stream>(x + o * C + c, y + o * C + c, pp, ploadu<Packet>(sc + c),
+                                        ploadu<Packet>(bs + c));
       }
   }
   // Channels-last rows [o0, o1) of C values: y = fma(x - piv, sc, bs) per
@@ -660,19 +653,19 @@ class BatchNorm {
   // out.)
   // * Channels that fill at most kRegisterLanePackets whole packets keep
   //   their constants in registers for all the rows.
-  // * More channels, when `quads`: four rows per load of a packet's
-  //   constants. Only on inputs the caches hold: on larger ones several read
-  //   and write streams cost more than the loads they save.
+  // * More channels: a row at a time, the constants loaded with each
+  //   packet. (Four rows per load of a packet's constants, on inputs under
+  //   12 MB, measured 0.78x the time in an earlier round; in the tenth round
+  //   a row at a time took 0.60-0.89x the time of the four rows at 2 to 16
+  //   MB, for any offset of y from x.)
   // Leftover channels (C mod L) in scalars.
   template <bool Pivot, bool Stream>
   static void normalize_channels_last(const T* x, T* y, Index C, Index o0, Index o1, const T* piv, const T* sc,
-                                      const T* bs, bool quads) {
+                                      const T* bs) {
     constexpr int L = detail::simd<T>::L;
     const Index full = C / L * L;
     if (full > detail::kRegisterLanePackets * L) {
-      const Index o2 = quads ? o0 + (o1 - o0) / 4 * 4 : o0;
-      normalize_lane_rows<Pivot, Stream, 4>(x, y, C, o0, o2, piv, sc, bs);
-      normalize_lane_rows<Pivot, Stream, 1>(x, y, C, o2, o1, piv, sc, bs);
+      normalize_lane_rows<Pivot, Stream>(x, y, C, o0, o1, piv, sc, bs);
     } else if (full > 0) {
       detail::with_register_packets(static_cast<int>(full / L), [&](auto k) {
         normalize_lane_block<Pivot, Stream, decltype(k)::value>(x, y, C, o0, o1, piv, sc, bs);
