@@ -70,6 +70,20 @@ constexpr bool f16c_io() {
 #endif
 }
 
+/// The width of Eigen's packet of S that its casts take for packets of L
+/// floats: for bfloat16 its full packet or the half of it
+/// (storage_packet); for half (where F16C is not) its full packet only,
+/// as in convert_n (with AVX-512 Eigen has no casts for the half of it).
+template <typename S, int L>
+constexpr int eigen_cast_width() {
+  using namespace Eigen::internal;
+  if constexpr (std::is_same<S, Eigen::bfloat16>::value) {
+    return unpacket_traits<typename storage_packet<S, L>::type>::size;
+  } else {
+    return unpacket_traits<typename packet_traits<S>::type>::size;
+  }
+}
+
 /// Whether this build converts whole packets of L floats to and from a
 /// 16-bit S one packet at a time (F16C for half, else Eigen's packet casts);
 /// always true for float and double, which are their own compute type.
@@ -77,23 +91,12 @@ constexpr bool f16c_io() {
 /// rows in float buffers through convert_n.
 template <typename S, int L>
 constexpr bool packet_io() {
-  using namespace Eigen::internal;
   if constexpr (std::is_same<S, float>::value || std::is_same<S, double>::value) {
     return true;
   } else if constexpr (!is_storage16<S>::value || L <= 1) {
     return false;
-  } else if constexpr (f16c_io<S, L>()) {
-    return true;
-  } else if constexpr (!kEigenPacketCasts) {
-    return false;
-  } else if constexpr (std::is_same<S, Eigen::bfloat16>::value) {
-    // Eigen's casts, wherever its bfloat16 packet, or the half of it, is
-    // as wide.
-    return unpacket_traits<typename storage_packet<S, L>::type>::size == L;
   } else {
-    // half where F16C is not: Eigen's casts of its full packet only (as in
-    // convert_n; with AVX-512 it has none for the half of it).
-    return unpacket_traits<typename packet_traits<S>::type>::size == L;
+    return f16c_io<S, L>() || (kEigenPacketCasts && eigen_cast_width<S, L>() == L);
   }
 }
 
