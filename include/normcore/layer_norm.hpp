@@ -421,7 +421,7 @@ class LayerNorm {
                             const T* b, bool large) const {
     const bool short_rows = n < detail::kShortMomentsValues<T>;
     const Index group = large && !short_rows ? 1 : detail::rows_per_group(n, sizeof(T), kCoeffGroup);
-    std::vector<T> row;  // rows widened for the exact path (or without narrow packets)
+    std::vector<T> row;  // rows widened when row_coeffs asks for them
     auto widened = [&](Index r, Index m) {
       row.resize(static_cast<std::size_t>(m * n));
       detail::convert_n(x + r * n, row.data(), m * n);
@@ -431,38 +431,7 @@ class LayerNorm {
     for (Index r0 = 0; r0 < count; r0 += group) {
       const Index m = std::min(group, count - r0);
       const S* xg = x + r0 * n;
-      if (short_rows) {  // as row_coeffs(x, n, m, CoeffGroup&)
-        if constexpr (detail::packet_io<S, detail::narrow_simd<T>::L>()) {
-          alignas(64) double mu[kCoeffGroup];
-          alignas(64) double q[kCoeffGroup];
-          alignas(64) T pivot[kCoeffGroup];
-          detail::short_rows_moments_split<kCoeffGroup>(xg, n, n, m, mu, q);
-          for (Index i = 0; i < kCoeffGroup; ++i) pivot[i] = static_cast<T>(xg[std::min(i, m - 1) * n]);
-          if (detail::moments_all_fine<T>(mu, q, n, options_.eps())) {
-            detail::coeffs_group(pivot, mu, q, n, options_.eps(), k);
-          } else {
-            row_coeffs(widened(r0, m), n, m, k);
-          }
-        } else {  // no 16-bit packets as narrow as the short-row kernels'
-          row_coeffs(widened(r0, m), n, m, k);
-        }
-      } else {
-        Welford<double> w[kCoeffGroup];
-        T pivot[kCoeffGroup] = {};
-        for (Index i = 0; i < m; ++i) {
-          const S* xr = xg + i * n;
-          pivot[i] = static_cast<T>(xr[0]);
-          w[i] = detail::moments_of<T>(detail::WidenValues<S, T>{xr}, n, pivot[i]);
-        }
-        detail::NormCoeffs<T> c[kCoeffGroup];
-        coeffs_of_rows([&](Index i) { return widened(r0 + i, 1); }, n, m, pivot, w, c);
-        for (Index i = 0; i < m; ++i) {
-          k.mean[i] = c[i].mean;
-          k.rstd[i] = c[i].rstd;
-          k.pivot[i] = c[i].pivot;
-          k.shift[i] = c[i].shift;
-        }
-      }
+      row_coeffs(xg, n, m, k, [&](Index i, Index rows) { return widened(r0 + i, rows); });
       for (Index i = 0; i < m; ++i) {
         if (mean) mean[r0 + i] = k.mean[i];
         if (rstd) rstd[r0 + i] = k.rstd[i];
@@ -484,19 +453,51 @@ class LayerNorm {
   // a time: their coefficients too, in arrays (detail::coeffs_group), unless
   // a row needs the exact path; then row by row, as longer rows.
   void row_coeffs(const T* x, Index n, Index count, detail::CoeffGroup<T>& k) const {
-    if (n > 0 && n < detail::kShortMomentsValues<T>) {
-      alignas(64) double mu[kCoeffGroup];
-      alignas(64) double q[kCoeffGroup];
-      alignas(64) T pivot[kCoeffGroup];
-      detail::short_rows_moments_split<kCoeffGroup>(x, n, n, count, mu, q);
-      for (Index i = 0; i < kCoeffGroup; ++i) pivot[i] = x[std::min(i, count - 1) * n];
-      if (detail::moments_all_fine<T>(mu, q, n, options_.eps())) {
-        detail::coeffs_group(pivot, mu, q, n, options_.eps(), k);
+    row_coeffs(x, n, count, k, [](Index, Index) -> const T* { return nullptr; });
+  }
+  // The same for rows stored as S: T, or a 16-bit type (T float), whose
+  // packets the kernels widen as they read them where the build converts
+  // whole packets (detail::packet_io). widen(i, m) returns rows i .. i + m - 1
+  // as T, asked for only for 16-bit rows: short rows whose group leaves the
+  // group path (or all short rows in builds without 16-bit packets as narrow
+  // as the short-row kernels'), and rows whose moments left T's range. The
+  // same bits as on the rows widened beforehand.
+  template <typename S, typename Widen>
+  void row_coeffs(const S* x, Index n, Index count, detail::CoeffGroup<T>& k, Widen&& widen) const {
+    constexpr bool wide = !std::is_same<S, T>::value;
+    const bool short_rows = n > 0 && n < detail::kShortMomentsValues<T>;
+    if constexpr (!wide || detail::packet_io<S, detail::narrow_simd<T>::L>()) {
+      if (short_rows) {
+        alignas(64) double mu[kCoeffGroup];
+        alignas(64) double q[kCoeffGroup];
+        alignas(64) T pivot[kCoeffGroup];
+        detail::short_rows_moments_split<kCoeffGroup>(x, n, n, count, mu, q);
+        for (Index i = 0; i < kCoeffGroup; ++i) pivot[i] = static_cast<T>(x[std::min(i, count - 1) * n]);
+        if (detail::moments_all_fine<T>(mu, q, n, options_.eps())) {
+          detail::coeffs_group(pivot, mu, q, n, options_.eps(), k);
+          return;
+        }
+      }
+    }
+    if constexpr (wide) {
+      if (short_rows) {  // the group as T: the group path, or row by row
+        row_coeffs(widen(0, count), n, count, k);
         return;
       }
     }
     detail::NormCoeffs<T> c[kCoeffGroup];
-    row_coeffs(x, n, count, c);
+    if constexpr (wide) {  // long 16-bit rows, each packet widened as it is read
+      Welford<double> w[kCoeffGroup];
+      T pivot[kCoeffGroup] = {};
+      for (Index i = 0; i < count; ++i) {
+        const S* xr = x + i * n;
+        pivot[i] = static_cast<T>(xr[0]);
+        w[i] = detail::moments_of<T>(detail::WidenValues<S, T>{xr}, n, pivot[i]);
+      }
+      coeffs_of_rows([&](Index i) { return widen(i, 1); }, n, count, pivot, w, c);
+    } else {
+      row_coeffs(x, n, count, c);
+    }
     for (Index i = 0; i < count; ++i) {
       k.mean[i] = c[i].mean;
       k.rstd[i] = c[i].rstd;

@@ -414,38 +414,38 @@ EIGEN_ALWAYS_INLINE void prefetch_l2(const void* p) {
 template <typename T>
 constexpr Index kLineValues = Index(64 / sizeof(T));
 
-/// The second pass's request at value j of a row (packets of L values):
-/// prefetch_l2 of the lines holding value j of the next row's x and dy
-/// (x_next, dy_next), once per line.
+/// prefetch_l2 of the lines holding values j .. j + L - 1 of the row at
+/// `next`, for a pass that reads packets of L values at j: once per line
+/// (at the packet that starts a line when a line holds several packets).
 template <int L, typename T>
-EIGEN_ALWAYS_INLINE void request_next_row(const T* x_next, const T* dy_next, Index j) {
-  if (L >= kLineValues<T> || j % kLineValues<T> == 0) {
-    prefetch_l2(x_next + j);
-    prefetch_l2(dy_next + j);
+EIGEN_ALWAYS_INLINE void request_lines(const T* next, Index j) {
+  constexpr Index kLine = kLineValues<T>;
+  if (L >= kLine || j % kLine == 0) {
+    for (Index l = 0; l < L; l += kLine) prefetch_l2(next + j + l);
   }
 }
 
+/// The second pass's request at value j of a row (packets of L values):
+/// the lines holding value j of the next row's x and dy (x_next, dy_next).
+template <int L, typename T>
+EIGEN_ALWAYS_INLINE void request_next_row(const T* x_next, const T* dy_next, Index j) {
+  request_lines<L>(x_next, j);
+  request_lines<L>(dy_next, j);
+}
+
 /// A source (RowValues and kin) that requests the next row as it is read:
-/// as packet i is read, the cache line holding value i of the next row (a,
-/// and b unless null) goes to the L2 (prefetch_l2), once per line. For the
-/// second pass of a long row of a streaming input, which reads the row from
-/// L1, so that memory reads stay in flight while it runs. Masked packets
-/// and single values (a row's tail) request nothing.
+/// as packet i is read, the line holding value i of the row at `next` goes
+/// to the L2 (request_lines). For the second pass of a long row of a
+/// streaming input, which reads the row from L1, so that memory reads stay
+/// in flight while it runs. Masked packets and single values (a row's tail)
+/// request nothing.
 template <typename Src, typename N>
 struct RequestNext {
   Src src;
-  const N* a;
-  const N* b;
+  const N* next;
   template <typename Packet>
   EIGEN_ALWAYS_INLINE Packet packet(Index i) const {
-    constexpr Index L = Eigen::internal::unpacket_traits<Packet>::size;
-    constexpr Index kLine = kLineValues<N>;
-    if (L >= kLine || i % kLine == 0) {
-      for (Index l = 0; l < L; l += kLine) {
-        prefetch_l2(a + i + l);
-        if (b) prefetch_l2(b + i + l);
-      }
-    }
+    request_lines<Eigen::internal::unpacket_traits<Packet>::size>(next, i);
     return src.template packet<Packet>(i);
   }
   template <typename Packet, typename Mask>
@@ -456,8 +456,8 @@ struct RequestNext {
 };
 
 template <typename N, typename Src>
-RequestNext<Src, N> request_next(const Src src, const N* a, const N* b = nullptr) {
-  return RequestNext<Src, N>{src, a, b};
+RequestNext<Src, N> request_next(const Src src, const N* next) {
+  return RequestNext<Src, N>{src, next};
 }
 
 /// widen_lanes(a, out): the lanes of a as doubles, out[i] holding lanes
