@@ -682,13 +682,22 @@ class LayerNorm {
       T* sr = stat.data() + rows;
       detail::run_parts(device, parts, [&](Index p) {
         const Index r0 = gsplit.begin(psplit.begin(p)), r1 = gsplit.begin(psplit.begin(p + 1));
-        std::vector<T> row(wide ? static_cast<std::size_t>(n) : 0);
+        std::vector<T> row;  // 16-bit rows widened when row_coeffs asks for them
         detail::CoeffGroup<T> k;
         for (Index r = r0; r < r1;) {
           Index m = 1;
           if constexpr (wide) {
-            detail::convert_n(xv.data + r * n, row.data(), n);
-            row_coeffs(row.data(), n, 1, k);
+            const auto widened = [&](Index i, Index count) {
+              row.resize(static_cast<std::size_t>(count * n));
+              detail::convert_n(xv.data + (r + i) * n, row.data(), count * n);
+              return static_cast<const T*>(row.data());
+            };
+            if constexpr (detail::packet_io<S, L>()) {  // groups, as the forward's
+              m = std::min(kCoeffGroup, r1 - r);
+              row_coeffs(xv.data + r * n, n, m, k, widened);
+            } else {
+              row_coeffs(widened(0, 1), n, 1, k);
+            }
           } else if (xv.row_major) {
             m = std::min(kCoeffGroup, r1 - r);
             row_coeffs(xv.data + r * n, n, m, k);

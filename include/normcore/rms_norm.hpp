@@ -301,12 +301,20 @@ class RMSNorm {
   // Short rows are summed a group at a time (rows_sum_squares).
   static constexpr Index kRstdGroup = 8;
   void rows_rstd(const T* x, Index n, Index count, W* r) const {
+    rows_rstd(x, n, count, r, [&](Index i) { return x + i * n; });
+  }
+  // The same for rows stored as S: T, or a 16-bit type whose packets
+  // rows_sum_squares widens as it reads them (where the build converts
+  // packets as narrow as its short-row kernel's: detail::packet_io);
+  // row_of(i) gives row i as T, asked for only when its sum left T's range.
+  template <typename S, typename RowOf>
+  void rows_rstd(const S* x, Index n, Index count, W* r, RowOf&& row_of) const {
     static_assert(kRstdGroup <= detail::kInvSqrtGroup, "one inv_sqrt_eps per group");
     double ss[kRstdGroup];
     for (Index r0 = 0; r0 < count; r0 += kRstdGroup) {
       const Index m = std::min(kRstdGroup, count - r0);
       rows_sum_squares(x + r0 * n, n, n, m, ss);
-      rstd_of_sums(ss, n, m, [&](Index i) { return x + (r0 + i) * n; }, r + r0);
+      rstd_of_sums(ss, n, m, [&](Index i) { return row_of(r0 + i); }, r + r0);
     }
   }
   // rstd of m <= kRstdGroup rows from their sums of squares ss; row i as T
@@ -689,6 +697,8 @@ class RMSNorm {
                 if (!detail::normal_in<T>(ri)) ri = row_rstd(x_as_t() + i * n, n);
                 r[static_cast<std::size_t>(i)] = ri;
               }
+            } else if constexpr (wide && detail::packet_io<S, detail::narrow_simd<T>::L>()) {
+              rows_rstd(xv.data + b0 * n, n, m, r.data(), [&](Index i) { return x_as_t() + i * n; });
             } else {
               rows_rstd(x_as_t(), n, m, r.data());
             }
