@@ -4,6 +4,8 @@
 // this CPU has the instructions the variant was compiled for, and otherwise
 // ends the process with ctest's skip code, 77, instead of an illegal
 // instruction. The features come as NORMCORE_NEED_<FEATURE> definitions.
+#include <cpuid.h>
+
 #include <cstdio>
 #include <cstdlib>
 
@@ -19,7 +21,10 @@ bool cpu_has_variant_isa() {
   ok = ok && __builtin_cpu_supports("fma");
 #endif
 #ifdef NORMCORE_NEED_F16C
-  ok = ok && __builtin_cpu_supports("f16c");
+  // CPUID leaf 1, ECX, read directly: not every GCC's __builtin_cpu_supports
+  // knows "f16c" (its VEX encoding needs the OS's AVX state, checked with avx2).
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  ok = ok && __get_cpuid(1, &a, &b, &c, &d) && (c & bit_F16C) != 0;
 #endif
   return ok;
 }

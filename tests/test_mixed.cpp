@@ -280,15 +280,20 @@ void expect_forwards_rounded_once(const Eigen::Tensor<S, 2, Eigen::RowMajor>& y,
 // tensor, rounded once, bit for bit. Rows of 5 have no whole 256-bit
 // packet; 300 is a short row for LayerNorm and a long one for RMSNorm. `scale` multiplies x: 1e25 and 1e-25 put the rows' squares
 // outside float's range, so their statistics take the exact paths, which
-// read the row again as float.
+// read the row again as float. With `one_row`, only row 3 (or the last row
+// of shorter inputs) is scaled: a group of rows of which one leaves the
+// group path, in the forwards and in the backwards' recomputation.
 template <typename S>
-void check_staged_equals_whole(float scale = 1.0f) {
+void check_staged_equals_whole(float scale = 1.0f, bool one_row = false) {
   for (Index n : {Index(1), Index(5), Index(50), Index(64), Index(300), Index(768), Index(5000)}) {
     for (Index rows : {Index(1), Index(7), Index(130)}) {
-      SCOPED_TRACE(::testing::Message() << rows << "x" << n << " scale " << scale);
+      SCOPED_TRACE(::testing::Message() << rows << "x" << n << " scale " << scale << (one_row ? " (one row)" : ""));
       const std::size_t N = static_cast<std::size_t>(rows * n);
       auto xg = randn<float>(N, 21, 3.0, 2.0);
-      for (float& v : xg) v *= scale;
+      const std::size_t scaled = static_cast<std::size_t>(std::min<Index>(3, rows - 1));
+      for (std::size_t i = 0; i < N; ++i) {
+        if (!one_row || i / static_cast<std::size_t>(n) == scaled) xg[i] *= scale;
+      }
       const auto xs = to16<S>(xg);
       const auto dys = to16<S>(randn<float>(N, 22));
       const auto dhs = to16<S>(randn<float>(N, 23));
@@ -392,6 +397,10 @@ TEST(Mixed, LargeHalfRowsEqualTheFloatPath) {
 TEST(Mixed, BFloat16RowsBeyondFloatSquaresEqualTheWholeTensorPath) {
   check_staged_equals_whole<Eigen::bfloat16>(1e25f);
   check_staged_equals_whole<Eigen::bfloat16>(1e-25f);
+}
+TEST(Mixed, BFloat16GroupWithOneRowBeyondFloatSquaresEqualsTheWholeTensorPath) {
+  check_staged_equals_whole<Eigen::bfloat16>(1e25f, true);
+  check_staged_equals_whole<Eigen::bfloat16>(1e-25f, true);
 }
 
 TEST(Mixed, ColMajorHalfIsTheFloatPathRoundedOnce) {

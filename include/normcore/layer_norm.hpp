@@ -451,7 +451,8 @@ class LayerNorm {
   static_assert(kCoeffGroup == detail::kInvSqrtGroup, "a group of rows is one CoeffGroup");
   // Short rows (detail::kShortMomentsValues), whose moments come a group at
   // a time: their coefficients too, in arrays (detail::coeffs_group), unless
-  // a row needs the exact path; then row by row, as longer rows.
+  // a row needs the exact path; then row by row, as longer rows. Rows of T:
+  // the template below with S = T, which never asks for widened rows.
   void row_coeffs(const T* x, Index n, Index count, detail::CoeffGroup<T>& k) const {
     row_coeffs(x, n, count, k, [](Index, Index) -> const T* { return nullptr; });
   }
