@@ -188,7 +188,6 @@ void add_rows(const S* x, const S* r, S* h, float* hf, Index n) {
   } else {
     using namespace Eigen::internal;
     using PF = typename simd<float>::Packet;
-    using PS = typename packet_traits<S>::type;
     constexpr int L = simd<float>::L;
     Index i = 0;
 #ifdef NORMCORE_F16C
@@ -203,12 +202,12 @@ void add_rows(const S* x, const S* r, S* h, float* hf, Index n) {
       }
     }
 #endif
-    if constexpr (L > 1 && unpacket_traits<PS>::size == L) {
+    // Only where the build converts whole packets (packet_io): NEON has
+    // 16-bit packets of 4 values, as wide as float's, but no casts for them.
+    if constexpr (packet_io<S, L>()) {
       for (; i + L <= n; i += L) {
-        const PF sum = padd(pcast<PS, PF>(ploadu<PS>(x + i)), pcast<PS, PF>(ploadu<PS>(r + i)));
-        const PS hs = pcast<PF, PS>(sum);
-        pstoreu(h + i, hs);
-        if (hf) pstoreu(hf + i, pcast<PS, PF>(hs));
+        store_narrowed(h + i, padd(load_widened<PF>(x + i), load_widened<PF>(r + i)));
+        if (hf) pstoreu(hf + i, load_widened<PF>(h + i));
       }
     }
     for (; i < n; ++i) {

@@ -554,24 +554,26 @@ class RMSNorm {
     std::vector<T> row;  // rows widened for the exact path (or without narrow packets)
     for (Index r0 = 0; r0 < count; r0 += group) {
       const Index m = std::min(group, count - r0);
-      double ss[kRstdGroup];
       W rg[kRstdGroup];
+      const auto widened = [&](Index i) {  // row r0 + i as T, for the exact path
+        row.resize(static_cast<std::size_t>(n));
+        detail::convert_n(x + (r0 + i) * n, row.data(), n);
+        return static_cast<const T*>(row.data());
+      };
       if constexpr (detail::packet_io<S, detail::narrow_simd<T>::L>()) {
-        rows_sum_squares(x + r0 * n, n, n, m, ss);
-      } else if (short_rows) {  // no 16-bit packets as narrow as the short-row kernel's
-        row.resize(static_cast<std::size_t>(m * n));
-        detail::convert_n(x + r0 * n, row.data(), m * n);
-        rows_sum_squares(static_cast<const T*>(row.data()), n, n, m, ss);
+        rows_rstd(x + r0 * n, n, m, rg, widened);
       } else {
-        for (Index i = 0; i < m; ++i) ss[i] = detail::sum_squares_of<T>(detail::WidenValues<S, T>{x + (r0 + i) * n}, n);
+        double ss[kRstdGroup];
+        if (short_rows) {  // no 16-bit packets as narrow as the short-row kernel's
+          row.resize(static_cast<std::size_t>(m * n));
+          detail::convert_n(x + r0 * n, row.data(), m * n);
+          rows_sum_squares(static_cast<const T*>(row.data()), n, n, m, ss);
+        } else {
+          for (Index i = 0; i < m; ++i)
+            ss[i] = detail::sum_squares_of<T>(detail::WidenValues<S, T>{x + (r0 + i) * n}, n);
+        }
+        rstd_of_sums(ss, n, m, widened, rg);
       }
-      rstd_of_sums(ss, n, m,
-                   [&](Index i) {
-                     row.resize(static_cast<std::size_t>(n));
-                     detail::convert_n(x + (r0 + i) * n, row.data(), n);
-                     return static_cast<const T*>(row.data());
-                   },
-                   rg);
       for (Index k = 0; k < m; ++k) {
         if (rsave) rsave[r0 + k] = static_cast<T>(rg[k]);
         scale_values<false>(detail::WidenValues<S, T>{x + (r0 + k) * n}, out + (r0 + k) * n, n, rg[k], g);
