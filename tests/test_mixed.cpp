@@ -144,6 +144,19 @@ TEST(Fused, AddLayerNormEqualsAddThenNorm) {
   ln.backward(h0, dy, &dx0, &dw0, &db0, &s0);
   for (Index i = 0; i < dx.size(); ++i) ASSERT_EQ(dx.data()[i], dx0.data()[i] + dhv[static_cast<std::size_t>(i)]);
   EXPECT_TRUE(bit_equal(dw.data(), dw0.data(), static_cast<std::size_t>(n)));
+  // RMSNorm adds dh_next inside dx's last multiply-add: rstd * t + dh
+  // rounded once where the build has FMA (else twice, as above), so within
+  // half an ulp of the unfused sum's rounding, and its weight gradient the same.
+  Eigen::Tensor<float, 2, Eigen::RowMajor> dr(rows, n), dr0(rows, n);
+  Eigen::Tensor<float, 1> rw, rw0;
+  rn.backward_add(h0, dy, &dh, &dr, &rw);
+  rn.backward(h0, dy, &dr0, &rw0);
+  for (Index i = 0; i < dr.size(); ++i) {
+    const double want = static_cast<double>(dr0.data()[i]) + dhv[static_cast<std::size_t>(i)];
+    const double ulp = std::numeric_limits<float>::epsilon() * std::max(std::abs(want), 1e-30);
+    ASSERT_NEAR(dr.data()[i], want, ulp + std::numeric_limits<float>::epsilon() * std::abs(dr0.data()[i])) << i;
+  }
+  EXPECT_TRUE(bit_equal(rw.data(), rw0.data(), static_cast<std::size_t>(n)));
 }
 
 // The 16-bit fused forward normalizes rows from h itself (no float buffer,
@@ -319,7 +332,7 @@ void check_staged_equals_whole(float scale = 1.0f, bool one_row = false) {
       // Backward (saved and recomputed statistics), plain and fused.
       for (bool use_saved : {true, false}) {
         Eigen::Tensor<S, 2, Eigen::RowMajor> dx(rows, n), dxa(rows, n), dr(rows, n), dra(rows, n);
-        Eigen::Tensor<float, 2, Eigen::RowMajor> dxf(rows, n), drf(rows, n);
+        Eigen::Tensor<float, 2, Eigen::RowMajor> dxf(rows, n), drf(rows, n), draf(rows, n);
         Eigen::Tensor<float, 1> dw, db, dwf, dbf, rw, rwf;
         ln.backward(x, dy, &dx, &dw, &db, use_saved ? &s : nullptr);
         ln.backward(xf, dyf, &dxf, &dwf, &dbf, use_saved ? &sf : nullptr);
@@ -327,12 +340,15 @@ void check_staged_equals_whole(float scale = 1.0f, bool one_row = false) {
         rn.backward(x, dy, &dr, &rw, use_saved ? &t : nullptr);
         rn.backward(xf, dyf, &drf, &rwf, use_saved ? &tf : nullptr);
         rn.backward_add(x, dy, &dh, &dra, nullptr, use_saved ? &t : nullptr);
+        rn.backward_add(xf, dyf, &dhf, &draf, nullptr, use_saved ? &tf : nullptr);
         for (std::size_t i = 0; i < N; ++i) {
           ASSERT_EQ(static_cast<float>(dx.data()[i]), static_cast<float>(static_cast<S>(dxf.data()[i]))) << i;
           ASSERT_EQ(static_cast<float>(dr.data()[i]), static_cast<float>(static_cast<S>(drf.data()[i]))) << i;
-          // The residual gradient joins in float: one rounding, not two.
+          // The residual gradient joins in float: one rounding, not two
+          // (RMSNorm's inside its last multiply-add, so against its float
+          // fused backward).
           ASSERT_EQ(static_cast<float>(dxa.data()[i]), static_cast<float>(static_cast<S>(dxf.data()[i] + dhw[i]))) << i;
-          ASSERT_EQ(static_cast<float>(dra.data()[i]), static_cast<float>(static_cast<S>(drf.data()[i] + dhw[i]))) << i;
+          ASSERT_EQ(static_cast<float>(dra.data()[i]), static_cast<float>(static_cast<S>(draf.data()[i]))) << i;
         }
         // Parameter gradients: the same sums in the same order (flushed to
         // double every 64 rows however the rows were staged): bit-identical.

@@ -831,7 +831,7 @@ class RMSNorm {
           }
           const T rt = static_cast<T>(ri);
           const T c = cs[i - i0];
-          const Packet pr = pset1<Packet>(rt), pc = pset1<Packet>(c);
+          const Packet pr = pset1<Packet>(rt), pnc = pset1<Packet>(-c);
           const bool next = ahead && i + 1 < count;  // detail::prefetch_next_row
           Index j = 0;
           for (; j + L <= n; j += L) {
@@ -839,9 +839,14 @@ class RMSNorm {
             const Packet dyv = ld(gr + j);
             const Packet xh = pmul(ld(xr + j), pr);
             if (dx) {
+              // Every product that meets a sum is an explicit multiply-add
+              // (detail::madd in the tail), so the bits do not depend on
+              // what the compiler contracts (GCC's -ffp-contract=fast, its
+              // default, fuses a * b + c where it sees one, differently in
+              // loops it specializes at -O3).
               const Packet gv = g ? pmul(dyv, ploadu<Packet>(g + j)) : dyv;
-              Packet o = pmul(pr, psub(gv, pmul(xh, pc)));
-              if (dh) o = padd(o, ld(dh + i * n + j));
+              const Packet t = pmadd(xh, pnc, gv);  // g - xh * c
+              const Packet o = dh ? pmadd(pr, t, ld(dh + i * n + j)) : pmul(pr, t);
               detail::store_packet<Stream>(dx + i * n + j, o);
             }
             if (dwp) pstoreu(acc + j, pmadd(dyv, xh, ploadu<Packet>(acc + j)));
@@ -849,8 +854,8 @@ class RMSNorm {
           for (; j < n; ++j) {
             const T xh = v(xr[j]) * rt;
             if (dx) {
-              const T o = rt * ((g ? v(gr[j]) * g[j] : v(gr[j])) - xh * c);
-              dx[i * n + j] = static_cast<S>(dh ? o + v(dh[i * n + j]) : o);
+              const T t = detail::madd(xh, -c, g ? v(gr[j]) * g[j] : v(gr[j]));
+              dx[i * n + j] = static_cast<S>(dh ? detail::madd(rt, t, v(dh[i * n + j])) : rt * t);
             }
             if (dwp) acc[j] = detail::madd(v(gr[j]), xh, acc[j]);
           }
@@ -921,13 +926,13 @@ class RMSNorm {
         cb[l] = static_cast<T>(static_cast<double>(rb[l]) * static_cast<double>(sbuf[l]) / static_cast<double>(n));
         mask[l] = (l < active && rb[l] != T(0)) ? T(1) : T(0);
       }
-      const Packet pc = ploadu<Packet>(cb), pm = ploadu<Packet>(mask);
+      const Packet pnc = pnegate(ploadu<Packet>(cb)), pm = ploadu<Packet>(mask);
       for (Index j = 0; j < n; ++j) {
         const Packet dyv = ploadu<Packet>(dyb + j * ld);
         const Packet xh = pmul(ploadu<Packet>(xb + j * ld), pr);
         if (dxb) {
           const Packet gv = g ? pmul(dyv, pset1<Packet>(g[j])) : dyv;
-          pstoreu(dxb + j * ld, pmul(pr, psub(gv, pmul(xh, pc))));
+          pstoreu(dxb + j * ld, pmul(pr, pmadd(xh, pnc, gv)));  // as backward_rows
         }
         if (dwp) dwp[j] += static_cast<double>(predux(pmul(pmul(dyv, pm), xh)));
       }

@@ -86,10 +86,12 @@ struct narrow_simd<T, true> {
 };
 
 /// a * b + c rounded exactly as Eigen's pmadd rounds it in this build (fused
-/// when the packets use FMA), so scalar tails match the vector body bit for bit.
+/// when the packets use FMA: x86 with FMA, and NEON wherever the target has
+/// it, as every 64-bit Arm does), so scalar tails match the vector body bit
+/// for bit.
 template <typename T>
 inline T madd(T a, T b, T c) {
-#ifdef EIGEN_VECTORIZE_FMA
+#if defined(EIGEN_VECTORIZE_FMA) || (defined(EIGEN_VECTORIZE_NEON) && defined(__ARM_FEATURE_FMA))
   return std::fma(a, b, c);
 #else
   return a * b + c;
