@@ -2,7 +2,7 @@
 # The unit tests on 64-bit Arm (NEON), from an x86-64 Debian machine: built
 # with GCC's aarch64 cross compiler and run under qemu's user-mode emulator
 # (the "neon" workflow preset: armv8.2-a with FP16 arithmetic, and the
-# baseline armv8-a). About 8 minutes on 2 cores, so not part of .ci/run,
+# baseline armv8-a). About 6 minutes on 2 cores, so not part of .ci/run,
 # whose budget it would break; run it by hand when a change touches the
 # packet code (convert.hpp, mixed.hpp, the kernels' packet types):
 #   bash .ci/neon.sh

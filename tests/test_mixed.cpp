@@ -144,9 +144,10 @@ TEST(Fused, AddLayerNormEqualsAddThenNorm) {
   ln.backward(h0, dy, &dx0, &dw0, &db0, &s0);
   for (Index i = 0; i < dx.size(); ++i) ASSERT_EQ(dx.data()[i], dx0.data()[i] + dhv[static_cast<std::size_t>(i)]);
   EXPECT_TRUE(bit_equal(dw.data(), dw0.data(), static_cast<std::size_t>(n)));
-  // RMSNorm adds dh_next inside dx's last multiply-add: rstd * t + dh
-  // rounded once where the build has FMA (else twice, as above), so within
-  // half an ulp of the unfused sum's rounding, and its weight gradient the same.
+  // RMSNorm adds dh_next inside dx's last multiply-add on RowMajor rows:
+  // rstd * t + dh rounded once where the build has FMA (else twice, as
+  // above), so within half an ulp of rstd * t (and the sum's own rounding)
+  // of the unfused result; its weight gradient is the same.
   Eigen::Tensor<float, 2, Eigen::RowMajor> dr(rows, n), dr0(rows, n);
   Eigen::Tensor<float, 1> rw, rw0;
   rn.backward_add(h0, dy, &dh, &dr, &rw);
