@@ -190,20 +190,9 @@ void add_rows(const S* x, const S* r, S* h, float* hf, Index n) {
     using PF = typename simd<float>::Packet;
     constexpr int L = simd<float>::L;
     Index i = 0;
-#ifdef NORMCORE_F16C
-    if constexpr (std::is_same<S, Eigen::half>::value) {  // see convert_n
-      constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-      for (; i + 8 <= n; i += 8) {
-        const __m256 a = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i)));
-        const __m256 b = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r + i)));
-        const __m128i hs = _mm256_cvtps_ph(_mm256_add_ps(a, b), kRound);
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(h + i), hs);
-        if (hf) _mm256_storeu_ps(hf + i, _mm256_cvtph_ps(hs));
-      }
-    }
-#endif
-    // Only where the build converts whole packets (packet_io): NEON has
-    // 16-bit packets of 4 values, as wide as float's, but no casts for them.
+    // Only where the build converts whole packets (packet_io: F16C for half,
+    // else Eigen's casts). NEON has 16-bit packets of 4 values, as wide as
+    // float's, but no casts for them.
     if constexpr (packet_io<S, L>()) {
       for (; i + L <= n; i += L) {
         store_narrowed(h + i, padd(load_widened<PF>(x + i), load_widened<PF>(r + i)));

@@ -562,16 +562,13 @@ class RMSNorm {
       };
       if constexpr (detail::packet_io<S, detail::narrow_simd<T>::L>()) {
         rows_rstd(x + r0 * n, n, m, rg, widened);
+      } else if (short_rows) {  // no 16-bit packets as narrow as the short-row kernel's
+        row.resize(static_cast<std::size_t>(m * n));
+        detail::convert_n(x + r0 * n, row.data(), m * n);
+        rows_rstd(static_cast<const T*>(row.data()), n, m, rg);
       } else {
         double ss[kRstdGroup];
-        if (short_rows) {  // no 16-bit packets as narrow as the short-row kernel's
-          row.resize(static_cast<std::size_t>(m * n));
-          detail::convert_n(x + r0 * n, row.data(), m * n);
-          rows_sum_squares(static_cast<const T*>(row.data()), n, n, m, ss);
-        } else {
-          for (Index i = 0; i < m; ++i)
-            ss[i] = detail::sum_squares_of<T>(detail::WidenValues<S, T>{x + (r0 + i) * n}, n);
-        }
+        for (Index i = 0; i < m; ++i) ss[i] = detail::sum_squares_of<T>(detail::WidenValues<S, T>{x + (r0 + i) * n}, n);
         rstd_of_sums(ss, n, m, widened, rg);
       }
       for (Index k = 0; k < m; ++k) {
