@@ -6,6 +6,7 @@
 //   ln.backward(x, dy, &dx, &dweight, &dbias, &stats);           // any subset
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 #include <type_traits>
@@ -383,11 +384,20 @@ class LayerNorm {
     for (Index r0 = 0; r0 < count; r0 += group) {
       const Index m = std::min(group, count - r0);
       row_coeffs(x + r0 * n, n, m, k);
+      if (mean) std::copy(k.mean, k.mean + m, mean + r0);
+      if (rstd) std::copy(k.rstd, k.rstd + m, rstd + r0);
+      if (!streaming) {  // rows the caches hold: no requests, no streaming stores
+        if (m == kCoeffGroup && g && b && n <= detail::kGroupNormalizeValues<T>) {
+          detail::normalize_group<kCoeffGroup>(x + r0 * n, out + r0 * n, n, k, g, b);
+        } else {
+          for (Index i = 0; i < m; ++i)
+            detail::normalize_values(detail::RowValues<T>{x + (r0 + i) * n}, out + (r0 + i) * n, n, k[i], g, b);
+        }
+        continue;
+      }
       const Index ahead = detail::rows_ahead(streaming, group, count - r0 - m);
       for (Index i = 0; i < m; ++i) {
         if (i < ahead) detail::prefetch_span(x + (r0 + m + i) * n, n * static_cast<Index>(sizeof(T)));
-        if (mean) mean[r0 + i] = k[i].mean;
-        if (rstd) rstd[r0 + i] = k[i].rstd;
         const detail::RowValues<T> row{x + (r0 + i) * n};
         if (request && r0 + i + 1 < count) {
           const auto src = detail::request_next(row, x + (r0 + i + 1) * n);
@@ -473,7 +483,9 @@ class LayerNorm {
         alignas(64) double q[kCoeffGroup];
         alignas(64) T pivot[kCoeffGroup];
         detail::short_rows_moments_split<kCoeffGroup>(x, n, n, count, mu, q);
-        for (Index i = 0; i < kCoeffGroup; ++i) pivot[i] = static_cast<T>(x[std::min(i, count - 1) * n]);
+        // Two loops, not x[min(i, count - 1) * n]: GCC made that a gather.
+        for (Index i = 0; i < count; ++i) pivot[i] = static_cast<T>(x[i * n]);
+        for (Index i = count; i < kCoeffGroup; ++i) pivot[i] = pivot[count - 1];
         if (detail::moments_all_fine<T>(mu, q, n, options_.eps())) {
           detail::coeffs_group(pivot, mu, q, n, options_.eps(), k);
           return;

@@ -486,12 +486,18 @@ class RMSNorm {
     for (Index r0 = 0; r0 < count; r0 += group) {
       const Index m = std::min(group, count - r0);
       rows_rstd(x + r0 * n, n, m, rg);
+      if (rsave)
+        for (Index k = 0; k < m; ++k) rsave[r0 + k] = static_cast<T>(rg[k]);
+      if (!streaming) {  // rows the caches hold: no requests, no streaming stores
+        for (Index k = 0; k < m; ++k)
+          scale_values<false>(detail::RowValues<T>{x + (r0 + k) * n}, out + (r0 + k) * n, n, rg[k], g);
+        continue;
+      }
       const Index ahead = detail::rows_ahead(streaming, group, count - r0 - m);
       for (Index k = 0; k < m; ++k) {
         const Index i = r0 + k;
         if (k < ahead) detail::prefetch_span(x + (i + m) * n, n * static_cast<Index>(sizeof(T)));
         const W ri = rg[k];
-        if (rsave) rsave[i] = static_cast<T>(ri);
         const detail::RowValues<T> row{x + i * n};
         if (request && i + 1 < count) {
           if (stream) {
