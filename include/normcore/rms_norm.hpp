@@ -474,7 +474,8 @@ class RMSNorm {
   // of this one is normalized (detail::forward_group, detail::rows_ahead),
   // rows of more than 4 KB request the next row as they are scaled
   // (detail::forward_requests), and the output takes streaming stores when
-  // it can (detail::can_stream_rows), as in LayerNorm's forward.
+  // it can (detail::can_stream_rows), as in LayerNorm's forward; other
+  // inputs take a loop that only scales.
   void forward_rows(const T* x, T* out, Index n, Index count, T* rsave, const T* g, bool streaming = false) const {
     constexpr int L = detail::simd<T>::L;
     const bool resident = count * n * static_cast<Index>(sizeof(T)) <= kResidentBytes;
