@@ -230,6 +230,45 @@ TYPED_TEST(LayerNormTest, BatchSizeIndependenceBitForBit) {
   }
 }
 
+// Full groups of short rows with weight and bias are normalized a packet
+// column at a time where the build has 32 vector registers
+// (detail::normalize_group: masked tail for AVX-512 floats, a scalar tail
+// otherwise); other rows one at a time. Every row of two full groups and a
+// partial one, out of place and in place, against the same row alone: the
+// same y, mean and rstd, bit for bit, on lengths around the packet size.
+TYPED_TEST(LayerNormTest, GroupNormalizeSameBitsAsRowAlone) {
+  using T = TypeParam;
+  constexpr Index L = normcore::detail::simd<T>::L;
+  const Index rows = 19;
+  for (Index n : {Index(1), L - 1, L + 1, 2 * L + 1, 4 * L - 1, 4 * L, 4 * L + 1}) {
+    if (n < 1) continue;
+    SCOPED_TRACE(::testing::Message() << "n=" << n);
+    LayerNorm<T> ln(LayerNormOptions({n}));
+    randomize_params(ln, 5);
+    const auto xs = randn<T>(static_cast<std::size_t>(rows * n), 11, 1.5, 2.0);
+    MapC<T, Eigen::RowMajor> x(xs.data(), rows, n);
+    Mat<T, Eigen::RowMajor> y(rows, n);
+    NormStats<T> st;
+    ln.forward(x, y, st);
+    auto buf = xs;
+    Map<T, Eigen::RowMajor> inplace(buf.data(), rows, n);
+    ln.forward(inplace, inplace);
+    for (Index r = 0; r < rows; ++r) {
+      MapC<T, Eigen::RowMajor> x1(xs.data() + r * n, 1, n);
+      Mat<T, Eigen::RowMajor> y1(1, n);
+      NormStats<T> s1;
+      ln.forward(x1, y1, s1);
+      ASSERT_EQ(std::memcmp(&s1.mean(0), &st.mean(r), sizeof(T)), 0) << "mean, row " << r;
+      ASSERT_EQ(std::memcmp(&s1.rstd(0), &st.rstd(r), sizeof(T)), 0) << "rstd, row " << r;
+      for (Index j = 0; j < n; ++j) {
+        ASSERT_EQ(std::memcmp(&y1(0, j), &y(r, j), sizeof(T)), 0) << "y, row " << r << " j=" << j;
+        ASSERT_EQ(std::memcmp(&y1(0, j), &buf[static_cast<std::size_t>(r * n + j)], sizeof(T)), 0)
+            << "in place, row " << r << " j=" << j;
+      }
+    }
+  }
+}
+
 // In place (y is x): the same bits as into a separate y, on lengths with and
 // without a tail after the last full packet (a kernel that reads a row's x
 // after writing part of its y fails here).

@@ -371,9 +371,9 @@ class LayerNorm {
   // detail::rows_ahead), rows of 4-8 KB request the next row as they are
   // normalized (detail::forward_requests), and the output takes streaming
   // stores when it can (detail::can_stream_rows). Other inputs take a loop
-  // that only normalizes (0.91-0.98x the time on short rows without the
-  // per-row tests), full groups of short rows a packet column at a time
-  // (detail::normalize_group).
+  // that only normalizes (0.91-0.97x the time on short rows without the
+  // per-row tests), full groups of short rows with weight and bias a packet
+  // column at a time (detail::normalize_group).
   // The longest rows whose normalize pass requests the next row
   // (detail::forward_requests): with gamma and beta, longer rows lost.
   static constexpr Index kRequestMaxRowBytes = 8192;

@@ -202,13 +202,23 @@ EIGEN_ALWAYS_INLINE void normalize_values(const Src src, Y* y, Index n, const No
   }
 }
 
-/// The longest rows normalize_group takes: four packets. Measured on Zen 4
-/// (AVX-512), LayerNorm forward against a row at a time: 0.92x the time at
-/// 2048x50, 0.95x at 4096x16, 0.98-0.99x at 4096x32 and 2048x64, but 1.03x
-/// at 1024x128, where the group's 24 broadcast coefficients and the
-/// unrolled rows cost more than the loads of gamma and beta they save.
+/// Whether the build has 32 vector registers (AVX-512, AArch64 NEON):
+/// normalize_group keeps 24 broadcast coefficients and gamma and beta in
+/// registers, which 16 (SSE, AVX2) would spill.
+#if defined(EIGEN_VECTORIZE_AVX512) || defined(__aarch64__)
+constexpr bool kWideRegisterFile = true;
+#else
+constexpr bool kWideRegisterFile = false;
+#endif
+
+/// The longest rows normalize_group takes: four packets, where the build
+/// has the registers for it (none elsewhere). Measured on Zen 4 (AVX-512),
+/// LayerNorm forward against a row at a time: 0.92x the time at 2048x50,
+/// 0.95x at 4096x16, 0.98-0.99x at 4096x32 and 2048x64, but 1.03x at
+/// 1024x128, where the group's 24 broadcast coefficients and the unrolled
+/// rows cost more than the loads of gamma and beta they save.
 template <typename T>
-constexpr Index kGroupNormalizeValues = 4 * simd<T>::L;
+constexpr Index kGroupNormalizeValues = kWideRegisterFile ? 4 * simd<T>::L : 0;
 
 /// normalize_values for G contiguous rows of n values each (row i at
 /// x + i * n, coefficients k[i]), with both gamma and beta, a packet
