@@ -300,24 +300,42 @@ TYPED_TEST(LayerNormTest, InPlaceForwardMatchesOutOfPlaceBitForBit) {
 // that leave a tail (groups of 4 below the threshold) or not (rows of 1024,
 // whose output takes streaming stores), and rows of 1500 (float: rows of
 // 4-8 KB, whose normalize pass requests the next row,
-// detail::forward_requests; with a tail), in place too.
+// detail::forward_requests; with a tail), in place too. Long rows there
+// that are not requested take each row's moments in the loop that
+// normalizes the row before (detail::moments_normalizing; LayerNorm's
+// interleave_long_rows: rows of up to 4 KB, and longer than 8 KB without
+// bias): with weight and bias, weight only and neither (affine 2, 1, 0; 500
+// and 3000 for double rows), and with a row whose squares overflow T (row
+// 3, scaled as in ExtremeRowLeavesItsGroupsBitsAlone: the exact path).
 TYPED_TEST(LayerNormTest, LargeInputForwardSameBitsAsSmallCalls) {
   using T = TypeParam;
-  for (Index n : {Index(64), Index(1000), Index(1024), Index(1500)}) {
-    SCOPED_TRACE(::testing::Message() << "n=" << n);
+  struct Case {
+    Index n;
+    int affine;
+  };
+  for (const Case c : {Case{64, 2}, Case{500, 2}, Case{1000, 2}, Case{1024, 2}, Case{1500, 2}, Case{1000, 1},
+                       Case{3000, 1}, Case{1024, 0}}) {
+    const Index n = c.n;
+    SCOPED_TRACE(::testing::Message() << "n=" << n << " affine=" << c.affine);
     const Index row_bytes = n * static_cast<Index>(sizeof(T));
     const Index rows = normcore::detail::kStreamingBytes / row_bytes + 5;  // a partial last group
-    LayerNorm<T> ln(LayerNormOptions({n}));
-    const auto gv = randn<T>(static_cast<std::size_t>(n), 7, 1.0, 0.5);
-    const auto bv = randn<T>(static_cast<std::size_t>(n), 8, 0.0, 0.5);
-    std::copy(gv.begin(), gv.end(), ln.weight().data());
-    std::copy(bv.begin(), bv.end(), ln.bias().data());
+    LayerNorm<T> ln(LayerNormOptions({n}).elementwise_affine(c.affine > 0).bias(c.affine > 1));
+    if (c.affine > 0) {
+      const auto gv = randn<T>(static_cast<std::size_t>(n), 7, 1.0, 0.5);
+      std::copy(gv.begin(), gv.end(), ln.weight().data());
+    }
+    if (c.affine > 1) {
+      const auto bv = randn<T>(static_cast<std::size_t>(n), 8, 0.0, 0.5);
+      std::copy(bv.begin(), bv.end(), ln.bias().data());
+    }
     auto buf = randn<T>(static_cast<std::size_t>(rows * n), 21, 0.5, 2.0);
+    const T huge = std::is_same<T, float>::value ? T(1e25) : T(1e200);
+    for (Index j = 0; j < n; ++j) buf[static_cast<std::size_t>(3 * n + j)] *= huge;
     Eigen::TensorMap<const Eigen::Tensor<T, 2, Eigen::RowMajor>> x(buf.data(), rows, n);
     Eigen::Tensor<T, 2, Eigen::RowMajor> y(rows, n);
     NormStats<T> st;
     ln.forward(x, y, st);
-    const Index chunk = 1000;  // chunk * row_bytes is far below the threshold
+    const Index chunk = normcore::detail::kStreamingBytes / (4 * row_bytes);  // far below the threshold
     ASSERT_LT(chunk * row_bytes, normcore::detail::kStreamingBytes);
     for (Index r0 = 0; r0 < rows; r0 += chunk) {
       const Index m = std::min(chunk, rows - r0);

@@ -202,6 +202,64 @@ EIGEN_ALWAYS_INLINE void normalize_values(const Src src, Y* y, Index n, const No
   }
 }
 
+/// A source (statistics.hpp) that reads the row at `next`, for its
+/// moments, and as it hands out packet i normalizes packet i of another row
+/// (x, coefficients pp/pr/pc as in normalize_values) into y: the moments of
+/// row r + 1 and the normalize of row r in one loop, so that the loop keeps
+/// reading from memory while it writes. Affine: 2 with gamma and beta, 1
+/// with gamma, 0 with neither (normalize_values' three loops). It does only
+/// the full packets the moments kernel reads; the caller normalizes the
+/// last n mod L values. The same operations on every value as
+/// normalize_values, so the same bits.
+template <bool Stream, int Affine, typename T>
+struct NormalizeAlong {
+  using Packet = typename simd<T>::Packet;
+  RowValues<T> next;
+  const T* x;
+  T* y;
+  const T* gamma;
+  const T* beta;
+  Packet pp, pr, pc;
+  template <typename P>
+  EIGEN_ALWAYS_INLINE P packet(Index i) const {
+    using namespace Eigen::internal;
+    const P v = pmadd(psub(ploadu<P>(x + i), pp), pr, pc);  // P: simd<T>'s packet, as Packet
+    if constexpr (Affine == 2) {
+      store_packet<Stream>(y + i, pmadd(v, ploadu<P>(gamma + i), ploadu<P>(beta + i)));
+    } else if constexpr (Affine == 1) {
+      store_packet<Stream>(y + i, pmul(v, ploadu<P>(gamma + i)));
+    } else {
+      store_packet<Stream>(y + i, v);
+    }
+    return next.template packet<P>(i);
+  }
+  EIGEN_ALWAYS_INLINE T value(Index j) const { return next.value(j); }
+};
+
+/// The moments of the n values at `next` (pivot: its first value, as
+/// row_moments), while the full packets of the row at x are normalized into
+/// y with coefficients k (NormalizeAlong); then the rest of that row.
+template <bool Stream, typename T>
+Welford<double> moments_normalizing(const T* next, const T* x, T* y, Index n, const NormCoeffs<T>& k,
+                                    const T* gamma, const T* beta) {
+  using namespace Eigen::internal;
+  using Packet = typename simd<T>::Packet;
+  constexpr int L = simd<T>::L;
+  const Packet pp = pset1<Packet>(k.pivot), pr = pset1<Packet>(k.rstd), pc = pset1<Packet>(-k.shift);
+  const auto moments = [&](auto affine) {
+    const NormalizeAlong<Stream, decltype(affine)::value, T> src{{next}, x, y, gamma, beta, pp, pr, pc};
+    return moments_of<T>(src, n, next[0]);
+  };
+  const Welford<double> w = gamma ? (beta ? moments(std::integral_constant<int, 2>())
+                                          : moments(std::integral_constant<int, 1>()))
+                                  : moments(std::integral_constant<int, 0>());
+  const Index full = n / L * L;
+  if (full < n)
+    normalize_values(RowValues<T>{x + full}, y + full, n - full, k, gamma ? gamma + full : nullptr,
+                     beta ? beta + full : nullptr);
+  return w;
+}
+
 /// Whether the build has 32 vector registers (AVX-512, AArch64 NEON):
 /// normalize_group keeps 24 broadcast coefficients and gamma and beta in
 /// registers, which 16 (SSE, AVX2) would spill.
