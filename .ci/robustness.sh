@@ -36,7 +36,7 @@ step "clang-tidy over include/normcore (via tests/robustness/static_analysis.cpp
 clang-tidy --quiet -p build/clang tests/robustness/static_analysis.cpp
 
 step "cppcheck over include/normcore"
-cppcheck --quiet --std=c++17 --language=c++ --enable=warning,performance,portability \
+cppcheck -j "$jobs" --quiet --std=c++17 --language=c++ --enable=warning,performance,portability \
   --error-exitcode=1 --inline-suppr --suppressions-list=tests/robustness/cppcheck-suppressions.txt \
   --template='{file}:{line}: {severity} [{id}] {message}' -I include \
   tests/robustness/static_analysis.cpp include/normcore/*.hpp include/normcore/*/*.hpp
