@@ -369,8 +369,9 @@ class LayerNorm {
   // go one at a time, each row of the next group of short rows is
   // requested as a row of this one is normalized (detail::forward_group,
   // detail::rows_ahead), rows of 4-8 KB request the next row as they are
-  // normalized (detail::forward_requests), and the output takes streaming
-  // stores when it can (detail::can_stream_rows). Other inputs take a loop
+  // normalized (detail::forward_requests), other long rows take the next
+  // row's moments as they are normalized (forward_long_rows), and the
+  // output takes streaming stores when it can (detail::can_stream_rows). Other inputs take a loop
   // that only normalizes (0.91-0.97x the time on short rows without the
   // per-row tests), full groups of short rows with weight and bias a packet
   // column at a time (detail::normalize_group).
