@@ -369,9 +369,10 @@ class LayerNorm {
   // go one at a time, each row of the next group of short rows is
   // requested as a row of this one is normalized (detail::forward_group,
   // detail::rows_ahead), rows of 4-8 KB request the next row as they are
-  // normalized (detail::forward_requests), other long rows take the next
-  // row's moments as they are normalized (forward_long_rows), and the
-  // output takes streaming stores when it can (detail::can_stream_rows). Other inputs take a loop
+  // normalized (detail::forward_requests), rows of up to 4 KB (and longer
+  // ones without bias) take the next row's moments as they are normalized
+  // (forward_long_rows, interleave_long_rows), and the output takes
+  // streaming stores when it can (detail::can_stream_rows). Other inputs take a loop
   // that only normalizes (0.91-0.97x the time on short rows without the
   // per-row tests), full groups of short rows with weight and bias a packet
   // column at a time (detail::normalize_group).
@@ -432,14 +433,18 @@ class LayerNorm {
   // a time: the moments of row r + 1 are taken in the loop that normalizes
   // row r (detail::moments_normalizing), so that reads from memory stay in
   // flight while the row is written. The same bits as a row at a time.
-  // Measured on Zen 4 against the row-at-a-time loop (same inputs of
-  // 64 MB): with weight and bias 0.83-0.87x the time on rows of 512-1024
-  // floats, 1.10-1.15x on rows of 1536-2048 (those request the next row
-  // instead, forward_requests), 1.02x on rows of 3072-8192; without bias
-  // 0.94-0.97x, and without weight and bias 0.77x (1024) and 0.81x
-  // (4096-8192). Hence: rows not requested, except long ones with both.
+  // Measured on Zen 4 (AVX-512, float) against the row-at-a-time loop, on
+  // inputs of 64 MB: with weight and bias 0.83-0.87x the time on rows of
+  // 512-1024 floats, 1.10-1.15x on rows of 1536-2048 (those request the
+  // next row instead, forward_requests), 0.99-1.03x on rows of 3072-8192;
+  // without bias 0.94-0.97x, and without weight and bias 0.77x (1024) and
+  // 0.81x (4096-8192). Hence: rows not requested, except long ones with
+  // both. Only where the build has 32 vector registers: the loop keeps the
+  // kernel's 16 accumulators and the normalize's 3 coefficients in
+  // registers, which 16 (SSE, AVX2) would spill; not measured there.
   static bool interleave_long_rows(Index n, bool request, const T* g, const T* b) {
-    return !request && !(g && b && n * static_cast<Index>(sizeof(T)) > kRequestMaxRowBytes);
+    return detail::kWideRegisterFile && !request &&
+           !(g && b && n * static_cast<Index>(sizeof(T)) > kRequestMaxRowBytes);
   }
   template <bool Stream>
   void forward_long_rows(const T* x, T* out, Index n, Index count, T* mean, T* rstd, const T* g,

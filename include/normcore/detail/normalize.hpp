@@ -210,7 +210,9 @@ EIGEN_ALWAYS_INLINE void normalize_values(const Src src, Y* y, Index n, const No
 /// with gamma, 0 with neither (normalize_values' three loops). It does only
 /// the full packets the moments kernel reads; the caller normalizes the
 /// last n mod L values. The same operations on every value as
-/// normalize_values, so the same bits.
+/// normalize_values, so the same bits. In place (y == x) is safe because
+/// the moments kernel asks for each packet once: packet i of row x is read,
+/// then written, and never read again.
 template <bool Stream, int Affine, typename T>
 struct NormalizeAlong {
   using Packet = typename simd<T>::Packet;
@@ -245,6 +247,7 @@ Welford<double> moments_normalizing(const T* next, const T* x, T* y, Index n, co
   using namespace Eigen::internal;
   using Packet = typename simd<T>::Packet;
   constexpr int L = simd<T>::L;
+  eigen_assert(n > 0 && "moments_normalizing: a row has at least one value (its pivot)");
   const Packet pp = pset1<Packet>(k.pivot), pr = pset1<Packet>(k.rstd), pc = pset1<Packet>(-k.shift);
   const auto moments = [&](auto affine) {
     const NormalizeAlong<Stream, decltype(affine)::value, T> src{{next}, x, y, gamma, beta, pp, pr, pc};
