@@ -21,7 +21,8 @@ fi
 
 jobs=2
 fuzz_seconds=${NORMCORE_FUZZ_SECONDS:-10}   # per target
-common=(-DCMAKE_BUILD_TYPE=RelWithDebInfo -DNORMCORE_BUILD_TESTS=ON
+common=(-DCMAKE_BUILD_TYPE=RelWithDebInfo "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O2 -g1 -DNDEBUG"
+        -DNORMCORE_BUILD_TESTS=ON
         -DNORMCORE_BUILD_BENCHMARKS=OFF -DNORMCORE_BUILD_EXAMPLES=OFF -DNORMCORE_INSTALL=OFF)
 step() { printf '\n=== robustness: %s ===\n' "$*"; }
 
