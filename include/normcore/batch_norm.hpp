@@ -622,12 +622,14 @@ class BatchNorm {
     using Packet = typename detail::simd<T>::Packet;
     constexpr int L = detail::simd<T>::L;
     Packet pp[NP], ps[NP], pb[NP];
+    NORMCORE_UNROLL
     for (int k = 0; k < NP; ++k) {
       pp[k] = Pivot ? ploadu<Packet>(piv + k * L) : pset1<Packet>(T(0));
       ps[k] = ploadu<Packet>(sc + k * L);
       pb[k] = ploadu<Packet>(bs + k * L);
     }
     for (Index o = o0; o < o1; ++o)
+      NORMCORE_UNROLL
       for (int k = 0; k < NP; ++k)
         normalize_packet<Pivot, Stream>(x + o * C + k * L, y + o * C + k * L, pp[k], ps[k], pb[k]);
   }

@@ -21,6 +21,19 @@
 #define NORMCORE_HAS_EXCEPTIONS 0
 #endif
 
+/// Put before a loop over a compile-time count (a kernel's accumulators, the
+/// rows of a group, the lanes of a packet): the loop is unrolled completely,
+/// so that each iteration's packets stay in registers. GCC unrolls such loops
+/// by itself only at -O3; at -O2 it kept the kernels' accumulators in arrays
+/// on the stack, each update a store and a load, and LayerNorm's forward took
+/// 1.25-1.9x its -O3 time. Unrolling does not change any operation or its
+/// order, so the bits are the same.
+#if defined(__GNUC__) || defined(__clang__)
+#define NORMCORE_UNROLL _Pragma("GCC unroll 16")
+#else
+#define NORMCORE_UNROLL
+#endif
+
 #define NORMCORE_VERSION_MAJOR 0
 #define NORMCORE_VERSION_MINOR 1
 #define NORMCORE_VERSION_PATCH 0

@@ -1030,6 +1030,7 @@ class LayerNorm {
     pstoreu(buf[1], sgd);
     pstoreu(buf[2], sd);
     alignas(64) T k3[L], k4[L], xs[L], mask[L];
+    NORMCORE_UNROLL
     for (int l = 0; l < L; ++l) {
       const auto bc = detail::backward_coeffs<T>(static_cast<double>(buf[0][l]), static_cast<double>(buf[1][l]),
                                                  static_cast<double>(buf[2][l]), n, rstd[l]);

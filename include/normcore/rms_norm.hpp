@@ -926,6 +926,7 @@ class RMSNorm {
       }
       alignas(64) T sbuf[L], cb[L], mask[L];
       pstoreu(sbuf, sacc);
+      NORMCORE_UNROLL
       for (int l = 0; l < L; ++l) {
         cb[l] = static_cast<T>(static_cast<double>(rb[l]) * static_cast<double>(sbuf[l]) / static_cast<double>(n));
         mask[l] = (l < active && rb[l] != T(0)) ? T(1) : T(0);

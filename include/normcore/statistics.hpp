@@ -124,6 +124,7 @@ Welford<double> merge_equal(const T* mean, const T* m2, double k) {
   constexpr int LD = simd<double>::L;
   alignas(64) double m[S];
   alignas(64) double q[S];
+  NORMCORE_UNROLL
   for (int i = 0; i < S; ++i) {
     m[i] = static_cast<double>(mean[i]);
     q[i] = static_cast<double>(m2[i]);
@@ -131,6 +132,7 @@ Welford<double> merge_equal(const T* mean, const T* m2, double k) {
   double sum = 0, sq = 0, dev = 0;
   if constexpr (S % (2 * LD) == 0) {
     PD s0 = pset1<PD>(0.0), s1 = s0;
+    NORMCORE_UNROLL
     for (int i = 0; i < S; i += 2 * LD) {
       s0 = padd(s0, pload<PD>(m + i));
       s1 = padd(s1, pload<PD>(m + i + LD));
@@ -138,6 +140,7 @@ Welford<double> merge_equal(const T* mean, const T* m2, double k) {
     sum = predux(padd(s0, s1));
     const PD mu = pset1<PD>(sum / S);
     PD q0 = pset1<PD>(0.0), q1 = q0, d0 = q0, d1 = q0;
+    NORMCORE_UNROLL
     for (int i = 0; i < S; i += 2 * LD) {
       q0 = padd(q0, pload<PD>(q + i));
       q1 = padd(q1, pload<PD>(q + i + LD));
@@ -148,7 +151,9 @@ Welford<double> merge_equal(const T* mean, const T* m2, double k) {
     sq = predux(padd(q0, q1));
     dev = predux(padd(d0, d1));
   } else {
+    NORMCORE_UNROLL
     for (int i = 0; i < S; ++i) sum += m[i];
+    NORMCORE_UNROLL
     for (int i = 0; i < S; ++i) {
       sq += q[i];
       dev += (m[i] - sum / S) * (m[i] - sum / S);
@@ -210,9 +215,11 @@ Welford<double> row_moments_acc(const Src src, Index n, T pivot) {
     {
       Packet mu[A];
       Packet q[A];
+      NORMCORE_UNROLL
       for (int a = 0; a < A; ++a) mu[a] = q[a] = pset1<Packet>(T(0));
       for (Index it = 1; it <= iters; ++it, p += A) {
         const Packet inv = pset1<Packet>(recip[static_cast<std::size_t>(it)]);
+        NORMCORE_UNROLL
         for (int a = 0; a < A; ++a) {
           const Packet d = psub(src.template packet<Packet>((p + a) * L), pv);
           const Packet delta = psub(d, mu[a]);
@@ -220,12 +227,14 @@ Welford<double> row_moments_acc(const Src src, Index n, T pivot) {
           q[a] = pmadd(delta, psub(d, mu[a]), q[a]);
         }
       }
+      NORMCORE_UNROLL
       for (int a = 0; a < A; ++a) {
         mean[a] = mu[a];
         m2[a] = q[a];
       }
     }
     T count[A];
+    NORMCORE_UNROLL
     for (int a = 0; a < A; ++a) count[a] = static_cast<T>(iters);
     // Leftover packets join this chunk only if it has room for one more
     // update per lane (1/k comes from a table of kChunk + 1 entries); after
@@ -246,6 +255,7 @@ Welford<double> row_moments_acc(const Src src, Index n, T pivot) {
     // lanes are merged on their own and the accumulators then in order.
     alignas(64) T ms[A * L];
     alignas(64) T qs[A * L];
+    NORMCORE_UNROLL
     for (int a = 0; a < A; ++a) {
       pstoreu(ms + a * L, mean[a]);
       pstoreu(qs + a * L, m2[a]);
@@ -253,6 +263,7 @@ Welford<double> row_moments_acc(const Src src, Index n, T pivot) {
     if (count[0] == count[A - 1]) {
       if (count[0] > T(0)) total.merge(detail::merge_equal<T, A * L>(ms, qs, static_cast<double>(count[0])));
     } else {
+      NORMCORE_UNROLL
       for (int a = 0; a < A; ++a)
         if (count[a] > T(0))
           total.merge(detail::merge_equal<T, L>(ms + a * L, qs + a * L, static_cast<double>(count[a])));
@@ -523,20 +534,26 @@ EIGEN_ALWAYS_INLINE void widen_transposed(const Packet* in, PD* out) {
   constexpr int L = unpacket_traits<Packet>::size;
   if constexpr (kWidenInRegisters && R > 1 && L % R == 0 && has_widen_lanes<Packet>(0)) {
     PD w[R][L / R];
+    NORMCORE_UNROLL
     for (int r = 0; r < R; ++r) widen_lanes(in[r], w[r]);
     for (int b = 0; b < L / R; ++b) {
       PacketBlock<PD, R> blk;
+      NORMCORE_UNROLL
       for (int r = 0; r < R; ++r) blk.packet[r] = w[r][b];
       ptranspose(blk);
+      NORMCORE_UNROLL
       for (int i = 0; i < R; ++i) out[b * R + i] = blk.packet[i];
     }
   } else {
     alignas(64) double t[L * R];
+    NORMCORE_UNROLL
     for (int r = 0; r < R; ++r) {
       alignas(64) T a[L];
       pstore(a, in[r]);
+      NORMCORE_UNROLL
       for (int l = 0; l < L; ++l) t[l * R + r] = static_cast<double>(a[l]);
     }
+    NORMCORE_UNROLL
     for (int l = 0; l < L; ++l) out[l] = pload<PD>(t + l * R);
   }
 }
@@ -548,7 +565,9 @@ EIGEN_ALWAYS_INLINE void widen_transposed(const Packet* in, PD* out) {
 /// lane packets, in the same tree on every ISA.
 template <int L, typename PD>
 EIGEN_ALWAYS_INLINE void sum_lanes_by_halving(PD* a) {
+  NORMCORE_UNROLL
   for (int h = L / 2; h >= 1; h /= 2)
+    NORMCORE_UNROLL
     for (int l = 0; l < h; ++l) a[l] = Eigen::internal::padd(a[l], a[l + h]);
 }
 
@@ -582,9 +601,11 @@ void short_rows_moments(const S* const* rows, Index n, double* mu, double* q) {
   // 1. Lane-wise Welford, R independent chains.
   Packet mean[R];
   Packet m2[R];
+  NORMCORE_UNROLL
   for (int r = 0; r < R; ++r) mean[r] = m2[r] = pset1<Packet>(T(0));
   for (Index p = 0; p < packets; ++p) {
     const Packet inv = pset1<Packet>(recip[static_cast<std::size_t>(p + 1)]);
+    NORMCORE_UNROLL
     for (int r = 0; r < R; ++r) {
       const Packet d = psub(load_widened<Packet>(rows[r] + p * L), pset1<Packet>(static_cast<T>(rows[r][0])));
       const Packet delta = psub(d, mean[r]);
@@ -602,6 +623,7 @@ void short_rows_moments(const S* const* rows, Index n, double* mu, double* q) {
   if (lane_tail) {
     const Packet inv = pset1<Packet>(recip[static_cast<std::size_t>(packets + 1)]);
     const Packet mask = pcmp_le(pset1<Packet>(static_cast<T>(L - rest)), plset<Packet>(T(0)));
+    NORMCORE_UNROLL
     for (int r = 0; r < R; ++r) {
       const Packet d = psub(load_widened<Packet>(rows[r] + n - L), pset1<Packet>(static_cast<T>(rows[r][0])));
       const Packet delta = pand(psub(d, mean[r]), mask);
@@ -620,10 +642,12 @@ void short_rows_moments(const S* const* rows, Index n, double* mu, double* q) {
     PD st[L];
     widen_transposed<R>(mean, mt);
     widen_transposed<R>(m2, qt);
+    NORMCORE_UNROLL
     for (int l = 0; l < L; ++l) st[l] = pmul(pset1<PD>(static_cast<double>(packets + (l >= L - rest ? 1 : 0))), mt[l]);
     sum_lanes_by_halving<L>(st);
     sum_lanes_by_halving<L>(qt);
     const PD avg = pdiv(st[0], pset1<PD>(static_cast<double>(n)));
+    NORMCORE_UNROLL
     for (int l = 0; l < L; ++l) {
       const PD c = pset1<PD>(static_cast<double>(packets + (l >= L - rest ? 1 : 0)));
       const PD e = psub(mt[l], avg);
@@ -641,10 +665,12 @@ void short_rows_moments(const S* const* rows, Index n, double* mu, double* q) {
     // 3. Sum of the lane means and of the lane M2s by halving; then the
     //    spread of the lane means about their mean.
     PD st[L];
+    NORMCORE_UNROLL
     for (int l = 0; l < L; ++l) st[l] = mt[l];
     sum_lanes_by_halving<L>(st);
     sum_lanes_by_halving<L>(qt);
     const PD avg = pdiv(st[0], pset1<PD>(static_cast<double>(L)));
+    NORMCORE_UNROLL
     for (int l = 0; l < L; ++l) {
       const PD e = psub(mt[l], avg);
       mt[l] = pmul(e, e);
@@ -658,6 +684,7 @@ void short_rows_moments(const S* const* rows, Index n, double* mu, double* q) {
   if (packets == 0) {
     alignas(64) double tm[R];
     alignas(64) double tq[R];
+    NORMCORE_UNROLL
     for (int r = 0; r < R; ++r) {
       const double pivot = static_cast<double>(static_cast<T>(rows[r][0]));
       double sum = 0;
@@ -665,6 +692,7 @@ void short_rows_moments(const S* const* rows, Index n, double* mu, double* q) {
       tm[r] = sum;
     }
     pstore(tm, pdiv(pload<PD>(tm), pset1<PD>(static_cast<double>(rest))));
+    NORMCORE_UNROLL
     for (int r = 0; r < R; ++r) {
       const double pivot = static_cast<double>(static_cast<T>(rows[r][0]));
       double qq = 0;
@@ -686,6 +714,7 @@ void short_rows_moments(const T* const* rows, Index n, Welford<double>* out) {
   alignas(64) double mu[R];
   alignas(64) double q[R];
   short_rows_moments(rows, n, mu, q);
+  NORMCORE_UNROLL
   for (int r = 0; r < R; ++r) out[r] = Welford<double>(static_cast<double>(n), mu[r], q[r]);
 }
 
@@ -708,6 +737,7 @@ void short_rows_moments_split(const T* x, Index n, Index ld, Index count, double
       continue;
     }
     const T* rows[R];
+    NORMCORE_UNROLL
     for (int r = 0; r < R; ++r) rows[r] = x + std::min<Index>(r0 + r, count - 1) * ld;
     short_rows_moments(rows, n, mu + r0, q + r0);
   }
@@ -734,6 +764,7 @@ void rows_moments(const T* x, Index n, Index ld, Index count, Welford<double>* o
   constexpr int R = detail::simd<double>::L;
   for (Index r0 = 0; r0 < count; r0 += R) {
     const T* rows[R];
+    NORMCORE_UNROLL
     for (int r = 0; r < R; ++r) rows[r] = x + std::min<Index>(r0 + r, count - 1) * ld;
     if (r0 + R <= count) {
       detail::short_rows_moments(rows, n, out + r0);
@@ -776,10 +807,12 @@ void lane_chunk_in_registers(const T* x, Index stride, Index i0, Index iters, co
   const auto& recip = detail::reciprocals<T>::table;
   Packet mu[NP];
   Packet q[NP];
+  NORMCORE_UNROLL
   for (int k = 0; k < NP; ++k) mu[k] = q[k] = pset1<Packet>(T(0));
   for (Index it = 1; it <= iters; ++it) {
     const T* row = x + (i0 + it - 1) * stride;
     const Packet pinv = pset1<Packet>(recip[static_cast<std::size_t>(it)]);
+    NORMCORE_UNROLL
     for (int k = 0; k < NP; ++k) {
       const Packet d = psub(ploadu<Packet>(row + k * L), ploadu<Packet>(pivot + k * L));
       const Packet delta = psub(d, mu[k]);
@@ -787,6 +820,7 @@ void lane_chunk_in_registers(const T* x, Index stride, Index i0, Index iters, co
       q[k] = pmadd(delta, psub(d, mu[k]), q[k]);
     }
   }
+  NORMCORE_UNROLL
   for (int k = 0; k < NP; ++k) {
     pstoreu(mean + k * L, mu[k]);
     pstoreu(m2 + k * L, q[k]);
@@ -953,17 +987,21 @@ double sum_squares_of(const Src src, Index n) {
   while (i < full) {
     const Index iters = std::min<Index>((full - i) / kBlock, detail::kChunk);
     Packet acc[A];
+    NORMCORE_UNROLL
     for (int a = 0; a < A; ++a) acc[a] = pset1<Packet>(T(0));
     for (Index it = 0; it < iters; ++it, i += kBlock) {
+      NORMCORE_UNROLL
       for (int a = 0; a < A; ++a) {
         const Packet v = src.template packet<Packet>(i + a * L);
         acc[a] = pmadd(v, v, acc[a]);
       }
     }
+    NORMCORE_UNROLL
     for (int a = 1; a < A; ++a) acc[0] = padd(acc[0], acc[a]);
     alignas(64) T lanes[L];
     pstoreu(lanes, acc[0]);
     double part[4] = {0, 0, 0, 0};  // four chains: the adds do not wait on each other
+    NORMCORE_UNROLL
     for (int l = 0; l < L; ++l) part[l % 4] += static_cast<double>(lanes[l]);
     total += (part[0] + part[1]) + (part[2] + part[3]);
   }
@@ -976,6 +1014,7 @@ double sum_squares_of(const Src src, Index n) {
     alignas(64) T lanes[L];
     pstoreu(lanes, acc);
     double part[4] = {0, 0, 0, 0};
+    NORMCORE_UNROLL
     for (int l = 0; l < L; ++l) part[l % 4] += static_cast<double>(lanes[l]);
     total += (part[0] + part[1]) + (part[2] + part[3]);
   }
@@ -1011,8 +1050,10 @@ void short_rows_sum_squares(const S* const* rows, Index n, double* out) {
   constexpr int R = simd<double>::L;
   const Index packets = n / L;
   Packet acc[R];
+  NORMCORE_UNROLL
   for (int r = 0; r < R; ++r) acc[r] = pset1<Packet>(T(0));
   for (Index p = 0; p < packets; ++p) {
+    NORMCORE_UNROLL
     for (int r = 0; r < R; ++r) {
       const Packet v = load_widened<Packet>(rows[r] + p * L);
       acc[r] = pmadd(v, v, acc[r]);
@@ -1024,6 +1065,7 @@ void short_rows_sum_squares(const S* const* rows, Index n, double* out) {
   sum_lanes_by_halving<L>(st);
   alignas(64) double sum[R];
   pstore(sum, st[0]);
+  NORMCORE_UNROLL
   for (int r = 0; r < R; ++r) {
     double total = sum[r];
     for (Index j = packets * L; j < n; ++j) {
@@ -1053,6 +1095,7 @@ void rows_sum_squares(const S* x, Index n, Index ld, Index count, double* out) {
   for (Index r0 = 0; r0 < count; r0 += R) {
     const S* rows[R];
     double ss[R];
+    NORMCORE_UNROLL
     for (int r = 0; r < R; ++r) rows[r] = x + std::min<Index>(r0 + r, count - 1) * ld;
     detail::short_rows_sum_squares(rows, n, ss);
     for (Index r = 0; r < R && r0 + r < count; ++r) out[r0 + r] = ss[r];

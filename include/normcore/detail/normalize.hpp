@@ -112,11 +112,13 @@ void coeffs_group(const T* pivot, const double* mu, const double* q, Index n, do
   alignas(64) double vars[G];
   alignas(64) double rs[G];
   const PD one = pset1<PD>(1.0), pe = pset1<PD>(eps), pn = pset1<PD>(static_cast<double>(n));
+  NORMCORE_UNROLL
   for (int i = 0; i < G; i += LD) {
     const PD v = pdiv(ploadu<PD>(q + i), pn);
     pstore(vars + i, v);
     pstore(rs + i, pdiv(one, psqrt(padd(v, pe))));
   }
+  NORMCORE_UNROLL
   for (int i = 0; i < G; ++i) {
     const double var = vars[i];
     const double r = rs[i];
@@ -293,6 +295,7 @@ EIGEN_ALWAYS_INLINE void normalize_group(const T* x, T* y, Index n, const CoeffG
   using Packet = typename simd<T>::Packet;
   constexpr int L = simd<T>::L;
   Packet pp[G], pr[G], pc[G];
+  NORMCORE_UNROLL
   for (int i = 0; i < G; ++i) {
     pp[i] = pset1<Packet>(k.pivot[i]);
     pr[i] = pset1<Packet>(k.rstd[i]);
@@ -301,6 +304,7 @@ EIGEN_ALWAYS_INLINE void normalize_group(const T* x, T* y, Index n, const CoeffG
   Index j = 0;
   for (; j + L <= n; j += L) {
     const Packet g = ploadu<Packet>(gamma + j), b = ploadu<Packet>(beta + j);
+    NORMCORE_UNROLL
     for (int i = 0; i < G; ++i) {
       const Packet v = pmadd(psub(ploadu<Packet>(x + i * n + j), pp[i]), pr[i], pc[i]);
       pstoreu(y + i * n + j, pmadd(v, g, b));
@@ -310,11 +314,13 @@ EIGEN_ALWAYS_INLINE void normalize_group(const T* x, T* y, Index n, const CoeffG
   if constexpr (masked_tail<T>::value) {
     const auto m = masked_tail<T>::first(n - j);
     const Packet g = ploadu<Packet>(gamma + j, m), b = ploadu<Packet>(beta + j, m);
+    NORMCORE_UNROLL
     for (int i = 0; i < G; ++i) {
       const Packet v = pmadd(psub(ploadu<Packet>(x + i * n + j, m), pp[i]), pr[i], pc[i]);
       pstoreu(y + i * n + j, pmadd(v, g, b), m);
     }
   } else {
+    NORMCORE_UNROLL
     for (int i = 0; i < G; ++i)
       for (Index t = j; t < n; ++t)
         y[i * n + t] = madd(madd(x[i * n + t] - k.pivot[i], k.rstd[i], -k.shift[i]), gamma[t], beta[t]);
