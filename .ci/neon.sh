@@ -26,7 +26,7 @@ if [ "${1:-}" = "native" ]; then
   # fallbacks), in about half the time of both.
   cmake --preset neon
   cmake --build --preset neon --target normcore_tests_native
-  ctest --preset neon --tests-regex '^normcore_tests_native[.]'
+  ctest --preset neon --tests-regex '^normcore_tests_native[.]' --no-tests=error
 else
   cmake --workflow --preset neon
 fi

@@ -22,16 +22,23 @@
 #endif
 
 /// Put before a loop over a compile-time count (a kernel's accumulators, the
-/// rows of a group, the lanes of a packet): the loop is unrolled completely,
-/// so that each iteration's packets stay in registers. GCC unrolls such loops
-/// by itself only at -O3; at -O2 it kept the kernels' accumulators in arrays
-/// on the stack, each update a store and a load, and LayerNorm's forward took
-/// 1.25-1.9x its -O3 time. Unrolling does not change any operation or its
-/// order, so the bits are the same.
-#if defined(__GNUC__) || defined(__clang__)
+/// rows of a group, the lanes of a packet): the loop is unrolled by 16, which
+/// is completely when it runs at most 16 times, so that each iteration's
+/// packets stay in registers. GCC unrolls such loops by
+/// itself only at -O3; at -O2 it kept the kernels' accumulators in arrays on
+/// the stack, each update a store and a load, and LayerNorm's forward took
+/// 1.25-1.9x its -O3 time. Unrolling changes no operation and no order; float
+/// outputs keep their bits, while in double GCC's default -ffp-contract=fast
+/// may fuse other products into sums in the unrolled code (last-place
+/// differences, as between -O2 and -O3 builds). `#pragma GCC unroll` is
+/// GCC 8's and is understood by Clang; elsewhere the macro is empty. Define
+/// NORMCORE_UNROLL before including normcore to override it.
+#ifndef NORMCORE_UNROLL
+#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 8 && !defined(__INTEL_COMPILER))
 #define NORMCORE_UNROLL _Pragma("GCC unroll 16")
 #else
 #define NORMCORE_UNROLL
+#endif
 #endif
 
 #define NORMCORE_VERSION_MAJOR 0

@@ -536,6 +536,7 @@ EIGEN_ALWAYS_INLINE void widen_transposed(const Packet* in, PD* out) {
     PD w[R][L / R];
     NORMCORE_UNROLL
     for (int r = 0; r < R; ++r) widen_lanes(in[r], w[r]);
+    NORMCORE_UNROLL
     for (int b = 0; b < L / R; ++b) {
       PacketBlock<PD, R> blk;
       NORMCORE_UNROLL
