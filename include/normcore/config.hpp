@@ -41,6 +41,17 @@
 #endif
 #endif
 
+/// On a small helper whose callees must be inlined into it (Eigen's
+/// ptranspose, which GCC 12 calls out of line at -O2, its PacketBlock then
+/// passed through memory).
+#ifndef NORMCORE_FLATTEN
+#if defined(__clang__) || defined(__GNUC__)
+#define NORMCORE_FLATTEN __attribute__((flatten))
+#else
+#define NORMCORE_FLATTEN
+#endif
+#endif
+
 #define NORMCORE_VERSION_MAJOR 0
 #define NORMCORE_VERSION_MINOR 1
 #define NORMCORE_VERSION_PATCH 0

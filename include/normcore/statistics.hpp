@@ -591,7 +591,7 @@ EIGEN_ALWAYS_INLINE void sum_lanes_by_halving(PD* a) {
 /// they are read (load_widened): the same values, so the same bits, as rows
 /// widened beforehand.
 template <typename S, typename T = compute_t<S>, typename Packet = typename narrow_simd<T>::Packet>
-void short_rows_moments(const S* const* rows, Index n, double* mu, double* q) {
+NORMCORE_FLATTEN void short_rows_moments(const S* const* rows, Index n, double* mu, double* q) {
   using namespace Eigen::internal;
   using PD = typename simd<double>::Packet;
   constexpr int L = unpacket_traits<Packet>::size;
@@ -1045,7 +1045,7 @@ namespace detail {
 /// tail in double. A row's result depends only on its values and n. Rows
 /// stored as a 16-bit S are widened as they are read (as short_rows_moments).
 template <typename S, typename T = compute_t<S>, typename Packet = typename narrow_simd<T>::Packet>
-void short_rows_sum_squares(const S* const* rows, Index n, double* out) {
+NORMCORE_FLATTEN void short_rows_sum_squares(const S* const* rows, Index n, double* out) {
   using namespace Eigen::internal;
   constexpr int L = unpacket_traits<Packet>::size;
   constexpr int R = simd<double>::L;
