@@ -735,8 +735,6 @@ class BatchNorm {
     for (; f < f1; ++f) one(f);
   }
 
-  // One segment (o, c) of a channels-first tensor: adds its sums (as in
-  // channel_sums) to the channel's.
   // dx of one channels-first segment of `inner` values, from the channel's
   // coefficients: dx = fma(dy, a, -fma(x_hat, k3, k4)), x_hat = fma(x - piv,
   // rs, xs); streaming stores when Stream. Always inlined, and everything it
@@ -763,6 +761,8 @@ class BatchNorm {
     }
   }
 
+  // One segment (o, c) of a channels-first tensor: adds its sums (as in
+  // channel_sums) to the channel's.
   static void segment_sums(const T* xs, const T* gs, Index inner, T mean, double& sg, double& sgd, double& sd) {
     using namespace Eigen::internal;
     using Packet = typename detail::simd<T>::Packet;
@@ -1029,8 +1029,9 @@ class BatchNorm {
       const Index s0 = split.begin(p), s1 = split.begin(p + 1);
       if (v.inner == 1) {
         // (Pointers in locals, as for dx_values.)
-        const T *px = xd, *pg = gd, *pv = pvd, *pr = rsd, *pxs = xsd, *p3 = k3d, *p4 = k4d, *pa = ad;
-        T* out = dx;
+        const T *const px = xd, *const pg = gd, *const pv = pvd, *const pr = rsd, *const pxs = xsd, *const p3 = k3d,
+                       *const p4 = k4d, *const pa = ad;
+        T* const out = dx;
         const Index nc = C;
         for (Index o = s0; o < s1; ++o) {
           const T* xr = px + o * nc;
@@ -1040,8 +1041,8 @@ class BatchNorm {
           for (; c + L <= nc; c += L) {
             const Packet d = psub(ploadu<Packet>(xr + c), ploadu<Packet>(pv + c));
             const Packet xh = pmadd(d, ploadu<Packet>(pr + c), ploadu<Packet>(pxs + c));
-            const Packet inner = pmadd(xh, ploadu<Packet>(p3 + c), ploadu<Packet>(p4 + c));
-            pstoreu(dr + c, pmadd(ploadu<Packet>(gr + c), ploadu<Packet>(pa + c), pnegate(inner)));
+            const Packet t = pmadd(xh, ploadu<Packet>(p3 + c), ploadu<Packet>(p4 + c));
+            pstoreu(dr + c, pmadd(ploadu<Packet>(gr + c), ploadu<Packet>(pa + c), pnegate(t)));
           }
           for (; c < nc; ++c) {
             const T xh = detail::madd(xr[c] - pv[c], pr[c], pxs[c]);

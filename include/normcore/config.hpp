@@ -41,11 +41,13 @@
 #endif
 #endif
 
-/// On a small helper whose callees must be inlined into it (Eigen's
-/// ptranspose, which GCC 12 calls out of line at -O2, its PacketBlock then
-/// passed through memory).
+/// On a function whose callees must all be inlined into it (the short-row
+/// statistics: Eigen's ptranspose, which GCC 12 calls out of line at -O2,
+/// its PacketBlock then passed through memory). GCC and Clang, not the Intel
+/// classic compiler (as NORMCORE_UNROLL); define NORMCORE_FLATTEN before
+/// including normcore to override it.
 #ifndef NORMCORE_FLATTEN
-#if defined(__clang__) || defined(__GNUC__)
+#if defined(__clang__) || (defined(__GNUC__) && !defined(__INTEL_COMPILER))
 #define NORMCORE_FLATTEN __attribute__((flatten))
 #else
 #define NORMCORE_FLATTEN
