@@ -735,19 +735,36 @@ class BatchNorm {
     for (; f < f1; ++f) one(f);
   }
 
-  // dx of one channels-first segment of `inner` values, from the channel's
-  // coefficients: dx = fma(dy, a, -fma(x_hat, k3, k4)), x_hat = fma(x - piv,
-  // rs, xs); streaming stores when Stream. Always inlined, and everything it
-  // reads in arguments: as a lambda over captures, GCC at -O2 called it out
-  // of line once per segment, and reloaded captured pointers after each
-  // store, since Eigen's packet stores may alias anything (the backward took
-  // 1.2-1.4x its -O3 time on short segments and channels last).
+  // What the dx passes read and write: x, dy, dx and the per-channel
+  // coefficients, dx = fma(dy, a, -fma(x_hat, k3, k4)) with x_hat =
+  // fma(x - piv, rs, xs). The loops copy it into a local first: through
+  // captured references, GCC at -O2 reloaded every pointer after each store,
+  // since Eigen's packet stores may alias anything.
+  struct DxArgs {
+    const T* x;
+    const T* dy;
+    T* dx;
+    const T* piv;
+    const T* rs;
+    const T* xs;
+    const T* k3;
+    const T* k4;
+    const T* a;
+  };
+
+  // dx of one channels-first segment: `inner` values from `base`, channel c;
+  // streaming stores when Stream. Always inlined (as a lambda, GCC at -O2
+  // called it out of line once per segment: the backward took 1.2-1.4x its
+  // -O3 time on short segments and channels last).
   template <bool Stream>
-  static EIGEN_ALWAYS_INLINE void dx_values(const T* xp, const T* gp, T* out, Index inner, T piv, T rs, T xs, T k3,
-                                            T k4, T a) {
+  static EIGEN_ALWAYS_INLINE void dx_values(const DxArgs& q, Index base, Index inner, Index c) {
     using namespace Eigen::internal;
     using Packet = typename detail::narrow_simd<T>::Packet;
     constexpr int L = detail::narrow_simd<T>::L;
+    const T* xp = q.x + base;
+    const T* gp = q.dy + base;
+    T* out = q.dx + base;
+    const T piv = q.piv[c], rs = q.rs[c], xs = q.xs[c], k3 = q.k3[c], k4 = q.k4[c], a = q.a[c];
     const Packet pp = pset1<Packet>(piv), pa = pset1<Packet>(a), p3 = pset1<Packet>(k3), p4 = pset1<Packet>(k4),
                  pr = pset1<Packet>(rs), pxs = pset1<Packet>(xs);
     Index i = 0;
@@ -968,9 +985,7 @@ class BatchNorm {
         body(std::false_type());
       }
     };
-    // What dx_values reads, in locals (see dx_values).
-    const T *const xd = x.data(), *const gd = dy.data(), *const pvd = piv.data(), *const rsd = rs.data(),
-                   *const xsd = xs.data(), *const k3d = k3.data(), *const k4d = k4.data(), *const ad = a.data();
+    const DxArgs dx_args{x.data(), dy.data(), dx, piv.data(), rs.data(), xs.data(), k3.data(), k4.data(), a.data()};
     // Channels first with no cross-process reduction: each channel's sums,
     // coefficients and dx in one go, so dx reads x and dy back from cache
     // rather than memory. Same arithmetic, same bits as the two passes.
@@ -986,19 +1001,14 @@ class BatchNorm {
       detail::run_parts(device, split.parts, [&](Index p) {
         streaming([&](auto stream_dx) {
           constexpr bool Stream = decltype(stream_dx)::value;
+          const DxArgs q = dx_args;
           const Index c1 = split.begin(p + 1), inner = v.inner, outer = v.outer, nc = C;
-          T* const out = dx;
-          const T *const px = xd, *const pg = gd, *const pv = pvd, *const pr = rsd, *const pxs = xsd,
-                         *const p3 = k3d, *const p4 = k4d, *const pa = ad;
           for (Index g0 = split.begin(p); g0 < c1; g0 += group) {
             const Index g1 = std::min(c1, g0 + group);
-            range_sums(px, pg, v, mean.data(), g0, g1, sg, sgd, sd);
+            range_sums(q.x, q.dy, v, mean.data(), g0, g1, sg, sgd, sd);
             for (Index c = g0; c < g1; ++c) coeffs(c, static_cast<double>(local_count));
             for (Index o = 0; o < outer; ++o)
-              for (Index c = g0; c < g1; ++c) {
-                const Index base = (o * nc + c) * inner;
-                dx_values<Stream>(px + base, pg + base, out + base, inner, pv[c], pr[c], pxs[c], p3[c], p4[c], pa[c]);
-              }
+              for (Index c = g0; c < g1; ++c) dx_values<Stream>(q, (o * nc + c) * inner, inner, c);
           }
         });
       });
@@ -1028,39 +1038,33 @@ class BatchNorm {
     detail::run_parts(device, split.parts, [&](Index p) {
       const Index s0 = split.begin(p), s1 = split.begin(p + 1);
       if (v.inner == 1) {
-        // (Pointers in locals, as for dx_values.)
-        const T *const px = xd, *const pg = gd, *const pv = pvd, *const pr = rsd, *const pxs = xsd, *const p3 = k3d,
-                       *const p4 = k4d, *const pa = ad;
-        T* const out = dx;
+        const DxArgs q = dx_args;  // (in a local: see DxArgs)
         const Index nc = C;
         for (Index o = s0; o < s1; ++o) {
-          const T* xr = px + o * nc;
-          const T* gr = pg + o * nc;
-          T* dr = out + o * nc;
+          const T* xr = q.x + o * nc;
+          const T* gr = q.dy + o * nc;
+          T* dr = q.dx + o * nc;
           Index c = 0;
           for (; c + L <= nc; c += L) {
-            const Packet d = psub(ploadu<Packet>(xr + c), ploadu<Packet>(pv + c));
-            const Packet xh = pmadd(d, ploadu<Packet>(pr + c), ploadu<Packet>(pxs + c));
-            const Packet t = pmadd(xh, ploadu<Packet>(p3 + c), ploadu<Packet>(p4 + c));
-            pstoreu(dr + c, pmadd(ploadu<Packet>(gr + c), ploadu<Packet>(pa + c), pnegate(t)));
+            const Packet d = psub(ploadu<Packet>(xr + c), ploadu<Packet>(q.piv + c));
+            const Packet xh = pmadd(d, ploadu<Packet>(q.rs + c), ploadu<Packet>(q.xs + c));
+            const Packet t = pmadd(xh, ploadu<Packet>(q.k3 + c), ploadu<Packet>(q.k4 + c));
+            pstoreu(dr + c, pmadd(ploadu<Packet>(gr + c), ploadu<Packet>(q.a + c), pnegate(t)));
           }
           for (; c < nc; ++c) {
-            const T xh = detail::madd(xr[c] - pv[c], pr[c], pxs[c]);
-            dr[c] = detail::madd(gr[c], pa[c], -detail::madd(xh, p3[c], p4[c]));
+            const T xh = detail::madd(xr[c] - q.piv[c], q.rs[c], q.xs[c]);
+            dr[c] = detail::madd(gr[c], q.a[c], -detail::madd(xh, q.k3[c], q.k4[c]));
           }
         }
         return;
       }
       streaming([&](auto stream_dx) {
         constexpr bool Stream = decltype(stream_dx)::value;
+        const DxArgs q = dx_args;
         const Index inner = v.inner, nc = C;
-        T* const out = dx;
-        const T *const px = xd, *const pg = gd, *const pv = pvd, *const pr = rsd, *const pxs = xsd, *const p3 = k3d,
-                       *const p4 = k4d, *const pa = ad;
-        Index c = s0 % nc;  // channel of segment sg
-        for (Index sg = s0; sg < s1; ++sg) {
-          const Index base = sg * inner;
-          dx_values<Stream>(px + base, pg + base, out + base, inner, pv[c], pr[c], pxs[c], p3[c], p4[c], pa[c]);
+        Index c = s0 % nc;  // channel of segment s
+        for (Index s = s0; s < s1; ++s) {
+          dx_values<Stream>(q, s * inner, inner, c);
           if (++c == nc) c = 0;  // no division per segment
         }
       });

@@ -24,10 +24,10 @@
 /// Put before a loop over a compile-time count (a kernel's accumulators, the
 /// rows of a group, the lanes of a packet): the loop is unrolled by 16, which
 /// is completely when it runs at most 16 times, so that each iteration's
-/// packets stay in registers. GCC unrolls such loops by
-/// itself only at -O3; at -O2 it kept the kernels' accumulators in arrays on
-/// the stack, each update a store and a load, and LayerNorm's forward took
-/// 1.25-1.9x its -O3 time. Unrolling changes no operation and no order; float
+/// packets stay in registers. GCC unrolls such loops by itself only at -O3;
+/// at -O2 it kept the kernels' accumulators in arrays on the stack, each
+/// update a store and a load, and LayerNorm's forward took 1.25-1.9x its -O3
+/// time. Unrolling changes no operation and no order; float
 /// outputs keep their bits, while in double GCC's default -ffp-contract=fast
 /// may fuse other products into sums in the unrolled code (last-place
 /// differences, as between -O2 and -O3 builds). `#pragma GCC unroll` is
