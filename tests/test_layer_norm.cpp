@@ -355,6 +355,55 @@ TYPED_TEST(LayerNormTest, LargeInputForwardSameBitsAsSmallCalls) {
   }
 }
 
+// Short rows (up to four packets with 32 vector registers, two otherwise)
+// take a backward kernel that keeps gamma and the block's dweight/dbias sums
+// in registers and stores a row's last packet whole (its lanes before the
+// tail recomputed) unless dx lies over an input. On lengths around each
+// packet count, over more than one 64-row block of the parameter sums: the
+// reference, and dx written over dy or over x is the out-of-place dx bit for
+// bit, with dweight and dbias unchanged, also through backward_add.
+TYPED_TEST(LayerNormTest, ShortRowBackwardInPlaceSameBits) {
+  using T = TypeParam;
+  constexpr Index L = normcore::detail::simd<T>::L;
+  const Index rows = 70;
+  unsigned seed = 40;
+  for (Index n : {L - 1, L, L + 1, 2 * L - 1, 2 * L + 3, 3 * L, 4 * L - 1, 4 * L, 4 * L + 1, Index(50), Index(100)}) {
+    SCOPED_TRACE(::testing::Message() << "n=" << n);
+    check_against_reference<T, Eigen::RowMajor>(rows, n, seed += 3, 0.5);
+    LayerNorm<T> ln(LayerNormOptions({n}));
+    randomize_params(ln, seed);
+    const auto xs = randn<T>(static_cast<std::size_t>(rows * n), seed + 1, 1.5, 2.0);
+    const auto dys = randn<T>(static_cast<std::size_t>(rows * n), seed + 2);
+    const auto dhs = randn<T>(static_cast<std::size_t>(rows * n), seed + 3);
+    MapC<T, Eigen::RowMajor> x(xs.data(), rows, n), dy(dys.data(), rows, n), dh(dhs.data(), rows, n);
+    Mat<T, Eigen::RowMajor> dx(rows, n), dxh(rows, n);
+    Eigen::Tensor<T, 1> dw, db, dw2, db2;
+    ln.backward(x, dy, &dx, &dw, &db);
+    ln.backward_add(x, dy, &dh, &dxh, nullptr, nullptr);
+    const auto same = [&](const T* a, const T* b, const char* what) {
+      for (Index i = 0; i < rows * n; ++i)
+        ASSERT_EQ(std::memcmp(a + i, b + i, sizeof(T)), 0) << what << ", row " << i / n << " j=" << i % n;
+    };
+    auto buf = dys;  // dx over dy
+    Map<T, Eigen::RowMajor> over_dy(buf.data(), rows, n);
+    ln.backward(x, over_dy, &over_dy, &dw2, &db2);
+    same(dx.data(), buf.data(), "dx over dy");
+    ASSERT_TRUE(bit_equal(dw.data(), dw2.data(), static_cast<std::size_t>(n)));
+    ASSERT_TRUE(bit_equal(db.data(), db2.data(), static_cast<std::size_t>(n)));
+    buf = xs;  // dx over x (statistics saved first)
+    NormStats<T> st;
+    Mat<T, Eigen::RowMajor> y(rows, n);
+    ln.forward(x, y, st);
+    Map<T, Eigen::RowMajor> over_x(buf.data(), rows, n);
+    ln.backward(over_x, dy, &over_x, nullptr, nullptr, &st);
+    same(dx.data(), buf.data(), "dx over x");
+    buf = dhs;  // backward_add's dx over dh
+    Map<T, Eigen::RowMajor> over_dh(buf.data(), rows, n);
+    ln.backward_add(x, dy, &over_dh, &over_dh, nullptr, nullptr);
+    same(dxh.data(), buf.data(), "dx over dh");
+  }
+}
+
 // Large backward inputs: dx with streaming stores (nctest::check_large_backward).
 TYPED_TEST(LayerNormTest, LargeInputBackwardSameBitsAsSmallCalls) {
   using T = TypeParam;

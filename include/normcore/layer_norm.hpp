@@ -882,6 +882,112 @@ class LayerNorm {
     }
   };
 
+  // Rows of at most kShortBackwardPackets packets (and at least one):
+  // backward_rows_short<K> for K = ceil(n / L) packets per row.
+  static constexpr int kShortBackwardPackets = EIGEN_ARCH_DEFAULT_NUMBER_OF_REGISTERS >= 32 ? 4 : 2;
+
+  // backward_rows for rows of K packets at most (n in ((K - 1) L, K L]),
+  // everything the rows share held in registers: gamma, and the block's
+  // dweight/dbias sums (loaded from acc at the block's start, stored at its
+  // end: per column the same multiply-adds in the same order as
+  // backward_rows's). Each row's x and dy are read once, for both passes.
+  // A row's last packet covers its last L values (offset n - L); its lanes
+  // before the tail (those of packet K - 2) are masked out of the sums, and
+  // its dx is stored whole (those lanes recomputed, the same bits) where dx
+  // is apart from x, dy and dh, else value by value.
+  template <int K, bool Stream, typename S>
+  static void backward_rows_short(const S* x, const S* dy, S* dx, Index rows, Index n, const T* mean,
+                                  const T* rstd, const T* gamma, double* dw, double* db, const S* dh,
+                                  GradAcc& acc) {
+    using namespace Eigen::internal;
+    using Packet = typename detail::simd<T>::Packet;
+    constexpr int L = detail::simd<T>::L;
+    const auto ld = [](const S* q) { return detail::load_widened<Packet>(q); };
+    const auto v = [](S s) { return static_cast<T>(s); };
+    T* const accw = acc.w.data();
+    T* const accb = acc.b.data();
+    const Index last = n - L;  // the last packet's offset
+    const Index fresh = n - (K - 1) * L;  // its lanes L - fresh .. L - 1 are new
+    const Packet mask = pcmp_le(pset1<Packet>(static_cast<T>(L - fresh)), plset<Packet>(T(0)));
+    const auto at = [&](int k) { return k == K - 1 ? last : static_cast<Index>(k) * L; };
+    const Index total = rows * n;
+    const bool whole_dx = fresh == L || (dx && detail::disjoint(dx, total, x, total) &&
+                                         detail::disjoint(dx, total, dy, total) &&
+                                         (!dh || detail::disjoint(dx, total, dh, total)));
+    Packet G[K];
+    NORMCORE_UNROLL
+    for (int k = 0; k < K; ++k) G[k] = gamma ? ploadu<Packet>(gamma + at(k)) : pset1<Packet>(T(1));
+    for (Index r0 = 0; r0 < rows;) {
+      const Index r1 = std::min(rows, r0 + (kRowBlock - acc.rows));
+      Packet W[K], B[K];
+      NORMCORE_UNROLL
+      for (int k = 0; k < K; ++k) {
+        W[k] = dw ? ploadu<Packet>(accw + at(k)) : pset1<Packet>(T(0));
+        B[k] = db ? ploadu<Packet>(accb + at(k)) : pset1<Packet>(T(0));
+      }
+      W[K - 1] = pand(W[K - 1], mask);
+      B[K - 1] = pand(B[K - 1], mask);
+      for (Index r = r0; r < r1; ++r) {
+        const S* xr = x + r * n;
+        const S* gr = dy + r * n;
+        const T p = mean[r];
+        const T rs = rstd[r];
+        const Packet pp = pset1<Packet>(p);
+        Packet Y[K], D[K], Gd[K];
+        NORMCORE_UNROLL
+        for (int k = 0; k < K; ++k) {
+          Y[k] = ld(gr + at(k));
+          D[k] = psub(ld(xr + at(k)), pp);
+          Gd[k] = gamma ? pmul(Y[k], G[k]) : Y[k];
+        }
+        // The three sums: packets added in a fixed tree, the last one masked.
+        const Packet gm = pand(Gd[K - 1], mask), dm = pand(D[K - 1], mask);
+        Packet sg = gm, sgd = pmul(gm, dm), sd = dm;
+        NORMCORE_UNROLL
+        for (int k = 0; k < K - 1; ++k) {
+          sg = padd(sg, Gd[k]);
+          sgd = pmadd(Gd[k], D[k], sgd);
+          sd = padd(sd, D[k]);
+        }
+        const auto bc = detail::backward_coeffs<T>(static_cast<double>(predux(sg)), static_cast<double>(predux(sgd)),
+                                                   static_cast<double>(predux(sd)), n, rs);
+        const Packet pr = pset1<Packet>(rs), p3 = pset1<Packet>(bc.k3), p4 = pset1<Packet>(bc.k4),
+                     pxs = pset1<Packet>(bc.xs);
+        const Packet ym = pand(Y[K - 1], mask);
+        NORMCORE_UNROLL
+        for (int k = 0; k < K; ++k) {
+          const Packet xh = pmadd(D[k], pr, pxs);
+          if (dx && (k < K - 1 || whole_dx)) {
+            Packet o = pmadd(Gd[k], pr, pnegate(pmadd(xh, p3, p4)));
+            if (dh) o = padd(o, ld(dh + r * n + at(k)));
+            detail::store_packet<Stream>(dx + r * n + at(k), o);
+          }
+          const Packet yk = k == K - 1 ? ym : Y[k];
+          if (dw) W[k] = pmadd(yk, xh, W[k]);
+          if (db) B[k] = padd(B[k], yk);
+        }
+        if (dx && !whole_dx) {  // the tail's dx value by value (dx over an input)
+          for (Index j = n - fresh; j < n; ++j) {
+            const T xh = detail::madd(v(xr[j]) - p, rs, bc.xs);
+            const T g = gamma ? v(gr[j]) * gamma[j] : v(gr[j]);
+            const T o = detail::madd(g, rs, -detail::madd(xh, bc.k3, bc.k4));
+            dx[r * n + j] = static_cast<S>(dh ? o + v(dh[r * n + j]) : o);
+          }
+        }
+      }
+      NORMCORE_UNROLL
+      for (int k = 0; k < K - 1; ++k) {
+        if (dw) pstoreu(accw + at(k), W[k]);
+        if (db) pstoreu(accb + at(k), B[k]);
+      }
+      if (dw) pstoreu(accw + last, pselect(mask, W[K - 1], ploadu<Packet>(accw + last)));
+      if (db) pstoreu(accb + last, pselect(mask, B[K - 1], ploadu<Packet>(accb + last)));
+      acc.rows += r1 - r0;
+      if (acc.rows == kRowBlock) acc.flush(dw, db);
+      r0 = r1;
+    }
+  }
+
   // S is T, or a 16-bit type (T float) where detail::packet_io says the
   // build converts whole packets: each packet is widened as it is loaded and
   // dx rounded as it is stored, the same values and bits as the rows widened
@@ -893,6 +999,15 @@ class LayerNorm {
     using namespace Eigen::internal;
     using Packet = typename detail::simd<T>::Packet;
     constexpr int L = detail::simd<T>::L;
+    if (n >= L && n <= kShortBackwardPackets * L) {
+      const Index k = (n + L - 1) / L;
+      if (k == 1) return backward_rows_short<1, Stream>(x, dy, dx, rows, n, mean, rstd, gamma, dw, db, dh, acc);
+      if (k == 2) return backward_rows_short<2, Stream>(x, dy, dx, rows, n, mean, rstd, gamma, dw, db, dh, acc);
+      if constexpr (kShortBackwardPackets >= 4) {
+        if (k == 3) return backward_rows_short<3, Stream>(x, dy, dx, rows, n, mean, rstd, gamma, dw, db, dh, acc);
+        return backward_rows_short<4, Stream>(x, dy, dx, rows, n, mean, rstd, gamma, dw, db, dh, acc);
+      }
+    }
     const auto ld = [](const S* q) { return detail::load_widened<Packet>(q); };
     const auto v = [](S s) { return static_cast<T>(s); };
     // Raw pointers: through the vectors, every store would make the
@@ -963,14 +1078,15 @@ class LayerNorm {
           if (db) pstoreu(accb + j, padd(dyv, ploadu<Packet>(accb + j)));
         }
         for (; j < n; ++j) {
+          const T dyj = v(gr[j]);  // read before dx[j] is written: dx may be dy
           const T xh = detail::madd(v(xr[j]) - p, rs, xs);
           if (dx) {
-            const T g = gamma ? v(gr[j]) * gamma[j] : v(gr[j]);
+            const T g = gamma ? dyj * gamma[j] : dyj;
             const T o = detail::madd(g, rs, -detail::madd(xh, k3, k4));
             dx[r * n + j] = static_cast<S>(dh ? o + v(dh[r * n + j]) : o);
           }
-          if (dw) accw[j] = detail::madd(v(gr[j]), xh, accw[j]);
-          if (db) accb[j] += v(gr[j]);
+          if (dw) accw[j] = detail::madd(dyj, xh, accw[j]);
+          if (db) accb[j] += dyj;
         }
       }
       acc.rows += r1 - r0;
