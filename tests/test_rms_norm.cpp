@@ -229,6 +229,65 @@ TYPED_TEST(RMSNormTest, LargeInputBackwardSameBitsAsSmallCalls) {
   }
 }
 
+// Short rows (up to four packets with 32 vector registers, two otherwise)
+// take a backward kernel with gamma and the block's dweight sums in
+// registers (LayerNorm's test of the same name): over more than one 64-row
+// block, the reference, and dx over dy, over x and over dh the out-of-place
+// dx bit for bit, dweight unchanged. A row of values near FLT_MAX / DBL_MAX
+// (eps 0: its rstd is below T's normal range) takes the exact path inside
+// the kernel: the reference there, its neighbours' bits untouched.
+TYPED_TEST(RMSNormTest, ShortRowBackwardInPlaceSameBits) {
+  using T = TypeParam;
+  constexpr Index L = normcore::detail::simd<T>::L;
+  const Index rows = 70;
+  unsigned seed = 60;
+  for (Index n : {L - 1, L, L + 1, 2 * L - 1, 2 * L + 3, 3 * L, 4 * L - 1, 4 * L, 4 * L + 1, Index(50), Index(100)}) {
+    SCOPED_TRACE(::testing::Message() << "n=" << n);
+    check_rms<T, Eigen::RowMajor>(rows, n, seed += 3, 1.0);
+    RMSNorm<T> rn(RMSNormOptions({n}).eps(0.0));
+    const auto gv = randn<T>(static_cast<std::size_t>(n), seed, 1.0, 0.5);
+    std::copy(gv.begin(), gv.end(), rn.weight().data());
+    auto xs = randn<T>(static_cast<std::size_t>(rows * n), seed + 1, 0.3, 1.0);
+    const Index big = 66;  // rstd ~ 0.6 / max: not a normal T
+    for (Index j = 0; j < n; ++j)
+      xs[static_cast<std::size_t>(big * n + j)] = static_cast<T>((j % 2 ? -0.5 : 0.9) * std::numeric_limits<T>::max());
+    const auto dys = randn<T>(static_cast<std::size_t>(rows * n), seed + 2);
+    const auto dhs = randn<T>(static_cast<std::size_t>(rows * n), seed + 3);
+    Eigen::TensorMap<const Eigen::Tensor<T, 2, Eigen::RowMajor>> x(xs.data(), rows, n), dy(dys.data(), rows, n),
+        dh(dhs.data(), rows, n);
+    Eigen::Tensor<T, 2, Eigen::RowMajor> dx(rows, n), dxh(rows, n);
+    Eigen::Tensor<T, 1> dw, dw2;
+    rn.backward(x, dy, &dx, &dw);
+    const auto gref = normcore::reference::rms_norm_backward(xs.data(), dys.data(), rows, n, rn.weight().data(), 0.0);
+    for (Index j = 0; j < n; ++j) {  // the extreme row: |dx| ~ rstd |dy|, far below T's normal range
+      const double want = gref.dx[static_cast<std::size_t>(big * n + j)];
+      EXPECT_NEAR(double(dx(big, j)), want, 1e-5 * std::fabs(want) + 8 * double(std::numeric_limits<T>::denorm_min()))
+          << "big row, j=" << j;
+    }
+    rn.backward_add(x, dy, &dh, &dxh, nullptr);
+    const auto same = [&](const T* a, const T* b, const char* what) {
+      for (Index i = 0; i < rows * n; ++i)
+        ASSERT_EQ(std::memcmp(a + i, b + i, sizeof(T)), 0) << what << ", row " << i / n << " j=" << i % n;
+    };
+    auto buf = dys;  // dx over dy
+    Eigen::TensorMap<Eigen::Tensor<T, 2, Eigen::RowMajor>> over_dy(buf.data(), rows, n);
+    rn.backward(x, over_dy, &over_dy, &dw2);
+    same(dx.data(), buf.data(), "dx over dy");
+    ASSERT_TRUE(bit_equal(dw.data(), dw2.data(), static_cast<std::size_t>(n)));
+    buf = xs;  // dx over x (statistics saved first)
+    NormStats<T> st;
+    Eigen::Tensor<T, 2, Eigen::RowMajor> y(rows, n);
+    rn.forward(x, y, st);
+    Eigen::TensorMap<Eigen::Tensor<T, 2, Eigen::RowMajor>> over_x(buf.data(), rows, n);
+    rn.backward(over_x, dy, &over_x, nullptr, &st);
+    same(dx.data(), buf.data(), "dx over x");
+    buf = dhs;  // backward_add's dx over dh
+    Eigen::TensorMap<Eigen::Tensor<T, 2, Eigen::RowMajor>> over_dh(buf.data(), rows, n);
+    rn.backward_add(x, dy, &over_dh, &over_dh, nullptr);
+    same(dxh.data(), buf.data(), "dx over dh");
+  }
+}
+
 TYPED_TEST(RMSNormTest, BatchIndependenceBitForBit) {
   using T = TypeParam;
   // n = 100: short rows, grouped by packet lanes, and in the forward up to

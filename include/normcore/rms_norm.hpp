@@ -760,6 +760,118 @@ class RMSNorm {
     }
   };
 
+  // A row whose rstd is not a normal T (its sums in long double, dweight's
+  // terms added straight into dwp): dxr and dhr are the row's (or null).
+  template <typename S>
+  static void exact_row(const S* xr, const S* gr, S* dxr, const S* dhr, Index n, W ri, const T* g, double* dwp) {
+    const auto v = [](S s) { return static_cast<T>(s); };
+    long double sgx = 0;
+    for (Index j = 0; j < n; ++j) {
+      const long double gj = static_cast<long double>(v(gr[j])) * (g ? static_cast<long double>(g[j]) : 1.0L);
+      sgx += gj * static_cast<long double>(v(xr[j])) * ri;
+    }
+    const long double c = sgx / static_cast<long double>(n);
+    for (Index j = 0; j < n; ++j) {
+      const long double dyj = static_cast<long double>(v(gr[j]));  // before dxr[j]: dx may be dy
+      const long double xh = static_cast<long double>(v(xr[j])) * ri;
+      const long double gj = dyj * (g ? static_cast<long double>(g[j]) : 1.0L);
+      if (dxr) {
+        long double o = ri * (gj - xh * c);
+        if (dhr) o += static_cast<long double>(v(dhr[j]));
+        dxr[j] = static_cast<S>(static_cast<T>(o));
+      }
+      if (dwp) dwp[j] += static_cast<double>(dyj * xh);
+    }
+  }
+
+  // Rows of at most kShortBackwardPackets packets (and at least one):
+  // backward_rows_short<K> for K = ceil(n / L) packets per row.
+  static constexpr int kShortBackwardPackets = EIGEN_ARCH_DEFAULT_NUMBER_OF_REGISTERS >= 32 ? 4 : 2;
+
+  // backward_rows for rows of K packets at most (n in ((K - 1) L, K L]),
+  // as LayerNorm's backward_rows_short: gamma and the block's dweight sums
+  // in registers (per column the same multiply-adds in the same order as
+  // backward_rows's), each row's x and dy read once. A row's last packet
+  // covers its last L values, its lanes before the tail masked out of the
+  // sums; its dx is stored whole where dx is apart from x, dy and dh, else
+  // value by value.
+  template <int K, bool Stream, typename S>
+  static void backward_rows_short(const S* x, const S* dy, S* dx, Index count, Index n, const W* r,
+                                  const T* g, double* dwp, const S* dh, GradAcc& gacc) {
+    using namespace Eigen::internal;
+    using Packet = typename detail::simd<T>::Packet;
+    constexpr int L = detail::simd<T>::L;
+    const auto ld = [](const S* q) { return detail::load_widened<Packet>(q); };
+    const auto v = [](S s) { return static_cast<T>(s); };
+    T* const acc = gacc.w.data();
+    const Index last = n - L;
+    const Index fresh = n - (K - 1) * L;
+    const Packet mask = pcmp_le(pset1<Packet>(static_cast<T>(L - fresh)), plset<Packet>(T(0)));
+    const auto at = [&](int k) { return k == K - 1 ? last : static_cast<Index>(k) * L; };
+    const Index total = count * n;
+    const bool whole_dx = fresh == L || (dx && detail::disjoint(dx, total, x, total) &&
+                                         detail::disjoint(dx, total, dy, total) &&
+                                         (!dh || detail::disjoint(dx, total, dh, total)));
+    Packet G[K];
+    NORMCORE_UNROLL
+    for (int k = 0; k < K; ++k) G[k] = g ? ploadu<Packet>(g + at(k)) : pset1<Packet>(T(1));
+    for (Index b0 = 0; b0 < count;) {
+      const Index b1 = std::min(count, b0 + (kRowBlock - gacc.rows));
+      Packet A[K];
+      NORMCORE_UNROLL
+      for (int k = 0; k < K; ++k) A[k] = dwp ? ploadu<Packet>(acc + at(k)) : pset1<Packet>(T(0));
+      A[K - 1] = pand(A[K - 1], mask);
+      for (Index i = b0; i < b1; ++i) {
+        const S* xr = x + i * n;
+        const S* gr = dy + i * n;
+        const W ri = r[i];
+        if (!detail::normal_in<T>(ri)) {
+          exact_row(xr, gr, dx ? dx + i * n : nullptr, dh ? dh + i * n : nullptr, n, ri, g, dwp);
+          continue;
+        }
+        const T rt = static_cast<T>(ri);
+        Packet Y[K], X[K], Gd[K];
+        NORMCORE_UNROLL
+        for (int k = 0; k < K; ++k) {
+          Y[k] = ld(gr + at(k));
+          X[k] = ld(xr + at(k));
+          Gd[k] = g ? pmul(Y[k], G[k]) : Y[k];
+        }
+        Packet sgx = pmul(pand(Gd[K - 1], mask), X[K - 1]);
+        NORMCORE_UNROLL
+        for (int k = 0; k < K - 1; ++k) sgx = pmadd(Gd[k], X[k], sgx);
+        const T c = static_cast<T>(static_cast<double>(rt) * static_cast<double>(predux(sgx)) / static_cast<double>(n));
+        const Packet pr = pset1<Packet>(rt), pnc = pset1<Packet>(-c);
+        const Packet ym = pand(Y[K - 1], mask);
+        NORMCORE_UNROLL
+        for (int k = 0; k < K; ++k) {
+          const Packet xh = pmul(X[k], pr);
+          if (dx && (k < K - 1 || whole_dx)) {
+            const Packet t = pmadd(xh, pnc, Gd[k]);  // g - xh * c
+            const Packet o = dh ? pmadd(pr, t, ld(dh + i * n + at(k))) : pmul(pr, t);
+            detail::store_packet<Stream>(dx + i * n + at(k), o);
+          }
+          if (dwp) A[k] = pmadd(k == K - 1 ? ym : Y[k], xh, A[k]);
+        }
+        if (dx && !whole_dx) {  // the tail's dx value by value (dx over an input)
+          for (Index j = n - fresh; j < n; ++j) {
+            const T xh = v(xr[j]) * rt;
+            const T t = detail::madd(xh, -c, g ? v(gr[j]) * g[j] : v(gr[j]));
+            dx[i * n + j] = static_cast<S>(dh ? detail::madd(rt, t, v(dh[i * n + j])) : rt * t);
+          }
+        }
+      }
+      if (dwp) {
+        NORMCORE_UNROLL
+        for (int k = 0; k < K - 1; ++k) pstoreu(acc + at(k), A[k]);
+        pstoreu(acc + last, pselect(mask, A[K - 1], ploadu<Packet>(acc + last)));
+      }
+      gacc.rows += b1 - b0;
+      if (gacc.rows == kRowBlock) gacc.flush(dwp);
+      b0 = b1;
+    }
+  }
+
   // S is T, or a 16-bit type (T float) where detail::packet_io says the
   // build converts whole packets: each packet is widened as it is loaded and
   // dx rounded as it is stored, the same values and bits as the rows widened
@@ -770,6 +882,15 @@ class RMSNorm {
     using namespace Eigen::internal;
     using Packet = typename detail::simd<T>::Packet;
     constexpr int L = detail::simd<T>::L;
+    if (n >= L && n <= kShortBackwardPackets * L) {
+      const Index k = (n + L - 1) / L;
+      if (k == 1) return backward_rows_short<1, Stream>(x, dy, dx, count, n, r, g, dwp, dh, gacc);
+      if (k == 2) return backward_rows_short<2, Stream>(x, dy, dx, count, n, r, g, dwp, dh, gacc);
+      if constexpr (kShortBackwardPackets >= 4) {
+        if (k == 3) return backward_rows_short<3, Stream>(x, dy, dx, count, n, r, g, dwp, dh, gacc);
+        return backward_rows_short<4, Stream>(x, dy, dx, count, n, r, g, dwp, dh, gacc);
+      }
+    }
     const auto ld = [](const S* q) { return detail::load_widened<Packet>(q); };
     const auto v = [](S s) { return static_cast<T>(s); };
     T* const acc = gacc.w.data();  // a raw pointer: no reload after every store
@@ -815,22 +936,7 @@ class RMSNorm {
           const S* gr = dy + i * n;
           const W ri = r[i];
           if (!detail::normal_in<T>(ri)) {
-            long double sgx = 0;
-            for (Index j = 0; j < n; ++j) {
-              const long double gj = static_cast<long double>(v(gr[j])) * (g ? static_cast<long double>(g[j]) : 1.0L);
-              sgx += gj * static_cast<long double>(v(xr[j])) * ri;
-            }
-            const long double c = sgx / static_cast<long double>(n);
-            for (Index j = 0; j < n; ++j) {
-              const long double xh = static_cast<long double>(v(xr[j])) * ri;
-              const long double gj = static_cast<long double>(v(gr[j])) * (g ? static_cast<long double>(g[j]) : 1.0L);
-              if (dx) {
-                long double o = ri * (gj - xh * c);
-                if (dh) o += static_cast<long double>(v(dh[i * n + j]));
-                dx[i * n + j] = static_cast<S>(static_cast<T>(o));
-              }
-              if (dwp) dwp[j] += static_cast<double>(static_cast<long double>(v(gr[j])) * xh);
-            }
+            exact_row(xr, gr, dx ? dx + i * n : nullptr, dh ? dh + i * n : nullptr, n, ri, g, dwp);
             continue;
           }
           const T rt = static_cast<T>(ri);
@@ -856,12 +962,13 @@ class RMSNorm {
             if (dwp) pstoreu(acc + j, pmadd(dyv, xh, ploadu<Packet>(acc + j)));
           }
           for (; j < n; ++j) {
+            const T dyj = v(gr[j]);  // read before dx[j] is written: dx may be dy
             const T xh = v(xr[j]) * rt;
             if (dx) {
-              const T t = detail::madd(xh, -c, g ? v(gr[j]) * g[j] : v(gr[j]));
+              const T t = detail::madd(xh, -c, g ? dyj * g[j] : dyj);
               dx[i * n + j] = static_cast<S>(dh ? detail::madd(rt, t, v(dh[i * n + j])) : rt * t);
             }
-            if (dwp) acc[j] = detail::madd(v(gr[j]), xh, acc[j]);
+            if (dwp) acc[j] = detail::madd(dyj, xh, acc[j]);
           }
         }
       }
