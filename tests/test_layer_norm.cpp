@@ -367,7 +367,8 @@ TYPED_TEST(LayerNormTest, ShortRowBackwardInPlaceSameBits) {
   constexpr Index L = normcore::detail::simd<T>::L;
   const Index rows = 70;
   unsigned seed = 40;
-  for (Index n : {L - 1, L, L + 1, 2 * L - 1, 2 * L + 3, 3 * L, 4 * L - 1, 4 * L, 4 * L + 1, Index(50), Index(100)}) {
+  for (Index n : {L - 1, L, L + 1, 2 * L - 1, 2 * L + 3, 3 * L, 4 * L - 1, 4 * L, 4 * L + 1,
+                  Index(50), Index(100), Index(1000)}) {
     SCOPED_TRACE(::testing::Message() << "n=" << n);
     check_against_reference<T, Eigen::RowMajor>(rows, n, seed += 3, 0.5);
     LayerNorm<T> ln(LayerNormOptions({n}));
@@ -401,6 +402,37 @@ TYPED_TEST(LayerNormTest, ShortRowBackwardInPlaceSameBits) {
     Map<T, Eigen::RowMajor> over_dh(buf.data(), rows, n);
     ln.backward_add(x, dy, &over_dh, &over_dh, nullptr, nullptr);
     same(dxh.data(), buf.data(), "dx over dh");
+  }
+}
+
+// ColMajor rows (the lane kernels): dx over dy, and over x with saved
+// statistics, is the out-of-place dx bit for bit, the parameter gradients
+// unchanged.
+TYPED_TEST(LayerNormTest, ColMajorBackwardInPlaceSameBits) {
+  using T = TypeParam;
+  const Index rows = 37;
+  for (Index n : {Index(7), Index(50), Index(1000)}) {
+    SCOPED_TRACE(::testing::Message() << "n=" << n);
+    LayerNorm<T> ln(LayerNormOptions({n}));
+    randomize_params(ln, 3);
+    const auto xs = randn<T>(static_cast<std::size_t>(rows * n), 21, 1.5, 2.0);
+    const auto dys = randn<T>(static_cast<std::size_t>(rows * n), 22);
+    Eigen::TensorMap<const Eigen::Tensor<T, 2, Eigen::ColMajor>> x(xs.data(), rows, n), dy(dys.data(), rows, n);
+    Eigen::Tensor<T, 2, Eigen::ColMajor> dx(rows, n), y(rows, n);
+    Eigen::Tensor<T, 1> dw, db, dw2, db2;
+    ln.backward(x, dy, &dx, &dw, &db);
+    auto buf = dys;
+    Eigen::TensorMap<Eigen::Tensor<T, 2, Eigen::ColMajor>> over_dy(buf.data(), rows, n);
+    ln.backward(x, over_dy, &over_dy, &dw2, &db2);
+    EXPECT_TRUE(bit_equal(dx.data(), buf.data(), static_cast<std::size_t>(rows * n))) << "dx over dy";
+    EXPECT_TRUE(bit_equal(dw.data(), dw2.data(), static_cast<std::size_t>(n)));
+    EXPECT_TRUE(bit_equal(db.data(), db2.data(), static_cast<std::size_t>(n)));
+    NormStats<T> st;
+    ln.forward(x, y, st);
+    buf = xs;
+    Eigen::TensorMap<Eigen::Tensor<T, 2, Eigen::ColMajor>> over_x(buf.data(), rows, n);
+    ln.backward(over_x, dy, &over_x, nullptr, nullptr, &st);
+    EXPECT_TRUE(bit_equal(dx.data(), buf.data(), static_cast<std::size_t>(rows * n))) << "dx over x";
   }
 }
 

@@ -1,5 +1,7 @@
 // The statistics core: scalar Welford/Chan against two-pass double, and the
 // SIMD row and lane moments against the same.
+#include <thread>
+
 #include "test_util.hpp"
 
 namespace {
@@ -256,6 +258,42 @@ TYPED_TEST(MomentsTest, LaneMomentsSameBitsInRegistersAsInMemory) {
       }
     }
   }
+}
+
+// detail::Scratch: a thread's arena is a stack of live objects; a request
+// that does not fit while another is alive comes from the heap, and the
+// arena grows to the largest total at the next first request; requests above
+// kScratchKeepBytes never stay. Values are zeroed when asked, 64-byte aligned
+// from the arena.
+TEST(Scratch, ArenaStackHeapFallbackAndGrowth) {
+  std::thread([] {  // a fresh thread: an empty arena
+    using normcore::detail::Scratch;
+    auto& arena = normcore::detail::scratch_arena();
+    ASSERT_EQ(arena.capacity, 0u);
+    const std::size_t a_bytes = (800u + 63) / 64 * 64, b_bytes = (4000u + 63) / 64 * 64;
+    {
+      Scratch<double> a(100, true);
+      for (std::size_t i = 0; i < a.size(); ++i) ASSERT_EQ(a.data()[i], 0.0);
+      EXPECT_EQ(reinterpret_cast<std::uintptr_t>(a.data()) % 64, 0u);
+      a.data()[99] = 1.0;
+      EXPECT_EQ(arena.top, a_bytes);
+      Scratch<float> b(1000, true);  // does not fit beside a: the heap
+      EXPECT_EQ(arena.top, a_bytes);
+      for (std::size_t i = 0; i < b.size(); ++i) ASSERT_EQ(b.data()[i], 0.0f);
+      EXPECT_EQ(a.data()[99], 1.0);
+    }
+    EXPECT_EQ(arena.top, 0u);
+    for (int round = 0; round < 2; ++round) {
+      Scratch<double> a(100, false);
+      Scratch<float> b(1000, true);  // the arena grew to hold both, and stays
+      EXPECT_EQ(arena.top, a_bytes + b_bytes);
+      EXPECT_EQ(arena.capacity, a_bytes + b_bytes);
+      Scratch<double> huge(normcore::detail::kScratchKeepBytes / sizeof(double) + 1, false);
+      EXPECT_EQ(arena.top, a_bytes + b_bytes);  // from the heap, never kept
+    }
+    EXPECT_EQ(arena.top, 0u);
+    EXPECT_EQ(arena.capacity, a_bytes + b_bytes);
+  }).join();
 }
 
 }  // namespace

@@ -44,13 +44,13 @@ void resize_vector(Eigen::Tensor<T, 1>& v, Index n) {
 /// stored at out(perm[c]) (out(c) without perm). part is overwritten. The
 /// loops run along c, so they vectorize.
 template <typename P>
-void emit_group_sums(std::vector<double>& part, Index groups, Index n, const std::vector<Index>* perm,
+void emit_group_sums(double* part, Index groups, Index n, const std::vector<Index>* perm,
                      Eigen::Tensor<P, 1>& out) {
   resize_vector(out, n);
-  double* t = part.data();
+  double* t = part;
   for (Index c = 0; c < n; ++c) t[c] = 0.0 + t[c];
   for (Index gi = 1; gi < groups; ++gi) {
-    const double* g = part.data() + gi * n;
+    const double* g = part + gi * n;
     for (Index c = 0; c < n; ++c) t[c] += g[c];
   }
   if (perm) {

@@ -16,6 +16,7 @@
 #include "normcore/common.hpp"
 #include "normcore/detail/lanes.hpp"
 #include "normcore/detail/normalize.hpp"
+#include "normcore/detail/scratch.hpp"
 #include "normcore/mixed.hpp"
 #include "normcore/parallel.hpp"
 #include "normcore/statistics.hpp"
@@ -735,14 +736,13 @@ class LayerNorm {
     const Index parts = detail::parts_for(device, rows * n, groups, detail::kPartsPerThread);
     const detail::Split psplit{groups, parts, 1};  // groups per thread
     // Statistics: saved, or recomputed exactly as forward computes them.
-    std::vector<T> stat;
+    detail::Scratch<T> stat(saved ? 0 : static_cast<std::size_t>(2 * rows), false);
     const T* mean;
     const T* rstd;
     if (saved) {
       mean = saved->mean.data();
       rstd = saved->rstd.data();
     } else {
-      stat.resize(static_cast<std::size_t>(2 * rows));
       T* sm = stat.data();
       T* sr = stat.data() + rows;
       detail::run_parts(device, parts, [&](Index p) {
@@ -786,7 +786,10 @@ class LayerNorm {
       rstd = sr;
     }
     const std::size_t gn = static_cast<std::size_t>(groups * n);
-    std::vector<double> dw_part(dweight ? gn : 0, 0.0), db_part(dbias ? gn : 0, 0.0);
+    // Per-group sums of dweight and dbias (detail::Scratch: kept between calls).
+    detail::Scratch<double> part((dweight ? gn : 0) + (dbias ? gn : 0), true);
+    double* const dw_part = part.data();
+    double* const db_part = part.data() + (dweight ? gn : 0);
     const bool stream_dx = xv.row_major && detail::stream_gradient<S, T>(xv.data, dyp, dhp, dxp, rows, n);
     const bool ahead = detail::prefetch_next_row<S, T>(rows, n);
     const auto prm = detail::param_ptrs<T>(weight_, Eigen::Tensor<P, 1>());
@@ -802,8 +805,8 @@ class LayerNorm {
       GradAcc acc(xv.row_major ? n : 0, dweight != nullptr, dbias != nullptr);
       for (Index gi = psplit.begin(p); gi < psplit.begin(p + 1); ++gi) {
         const Index r0 = gsplit.begin(gi), r1 = gsplit.begin(gi + 1);
-        double* dw = dweight ? dw_part.data() + gi * n : nullptr;
-        double* db = dbias ? db_part.data() + gi * n : nullptr;
+        double* dw = dweight ? dw_part + gi * n : nullptr;
+        double* db = dbias ? db_part + gi * n : nullptr;
         if constexpr (staged) {
           T* bx = buf.data();
           T* bdy = bx + sb * n;
@@ -1014,79 +1017,127 @@ class LayerNorm {
     // compiler reload their data pointers.
     T* const accw = acc.w.data();
     T* const accb = acc.b.data();
+    // First pass: row r's three sums, then its constants.
+    const auto coeffs = [&](Index r) {
+      const S* xr = x + r * n;
+      const S* gr = dy + r * n;
+      const T p = mean[r];
+      const Packet pp = pset1<Packet>(p);
+      Packet sg0 = pset1<Packet>(T(0)), sgd0 = sg0, sd0 = sg0, sg1 = sg0, sgd1 = sg0, sd1 = sg0;
+      Index j = 0;
+      for (; j + 2 * L <= n; j += 2 * L) {
+        Packet g0 = ld(gr + j), g1 = ld(gr + j + L);
+        if (gamma) {
+          g0 = pmul(g0, ploadu<Packet>(gamma + j));
+          g1 = pmul(g1, ploadu<Packet>(gamma + j + L));
+        }
+        const Packet d0 = psub(ld(xr + j), pp);
+        const Packet d1 = psub(ld(xr + j + L), pp);
+        sg0 = padd(sg0, g0);
+        sg1 = padd(sg1, g1);
+        sgd0 = pmadd(g0, d0, sgd0);
+        sgd1 = pmadd(g1, d1, sgd1);
+        sd0 = padd(sd0, d0);
+        sd1 = padd(sd1, d1);
+      }
+      for (; j + L <= n; j += L) {
+        Packet g0 = ld(gr + j);
+        if (gamma) g0 = pmul(g0, ploadu<Packet>(gamma + j));
+        const Packet d0 = psub(ld(xr + j), pp);
+        sg0 = padd(sg0, g0);
+        sgd0 = pmadd(g0, d0, sgd0);
+        sd0 = padd(sd0, d0);
+      }
+      double sg = static_cast<double>(predux(padd(sg0, sg1)));
+      double sgd = static_cast<double>(predux(padd(sgd0, sgd1)));
+      double sd = static_cast<double>(predux(padd(sd0, sd1)));
+      for (; j < n; ++j) {
+        const double g = static_cast<double>(gamma ? v(gr[j]) * gamma[j] : v(gr[j]));
+        const double d = static_cast<double>(v(xr[j]) - p);
+        sg += g;
+        sgd += g * d;
+        sd += d;
+      }
+      return detail::backward_coeffs<T>(sg, sgd, sd, n, rstd[r]);
+    };
+    // Second pass over R rows from row r (R = 1, or 2 side by side: the
+    // block's dweight/dbias sums loaded and stored once for both, each row's
+    // terms added in row order, so the same bits as one row at a time).
+    const auto second = [&](auto rows_c, Index r, const detail::BackwardCoeffs<T>* c) {
+      constexpr int R = decltype(rows_c)::value;
+      const S* xr[R];
+      const S* gr[R];
+      Packet pp[R], pr[R], p3[R], p4[R], pxs[R];
+      NORMCORE_UNROLL
+      for (int i = 0; i < R; ++i) {
+        xr[i] = x + (r + i) * n;
+        gr[i] = dy + (r + i) * n;
+        pp[i] = pset1<Packet>(mean[r + i]);
+        pr[i] = pset1<Packet>(rstd[r + i]);
+        p3[i] = pset1<Packet>(c[i].k3);
+        p4[i] = pset1<Packet>(c[i].k4);
+        pxs[i] = pset1<Packet>(c[i].xs);
+      }
+      const bool next = R == 1 && ahead && r + 1 < rows;  // detail::prefetch_next_row
+      Index j = 0;
+      for (; j + L <= n; j += L) {
+        if (next) detail::request_next_row<L>(xr[0] + n, gr[0] + n, j);
+        Packet dyv[R], xh[R];
+        NORMCORE_UNROLL
+        for (int i = 0; i < R; ++i) {
+          dyv[i] = ld(gr[i] + j);
+          xh[i] = pmadd(psub(ld(xr[i] + j), pp[i]), pr[i], pxs[i]);
+        }
+        if (dx) {
+          const Packet gm = gamma ? ploadu<Packet>(gamma + j) : pset1<Packet>(T(1));
+          NORMCORE_UNROLL
+          for (int i = 0; i < R; ++i) {
+            const Packet g = gamma ? pmul(dyv[i], gm) : dyv[i];
+            Packet o = pmadd(g, pr[i], pnegate(pmadd(xh[i], p3[i], p4[i])));
+            if (dh) o = padd(o, ld(dh + (r + i) * n + j));
+            detail::store_packet<Stream>(dx + (r + i) * n + j, o);
+          }
+        }
+        if (dw) {
+          Packet a = ploadu<Packet>(accw + j);
+          NORMCORE_UNROLL
+          for (int i = 0; i < R; ++i) a = pmadd(dyv[i], xh[i], a);
+          pstoreu(accw + j, a);
+        }
+        if (db) {
+          Packet b = ploadu<Packet>(accb + j);
+          NORMCORE_UNROLL
+          for (int i = 0; i < R; ++i) b = padd(dyv[i], b);
+          pstoreu(accb + j, b);
+        }
+      }
+      NORMCORE_UNROLL
+      for (int i = 0; i < R; ++i) {
+        const T p = mean[r + i], rs = rstd[r + i];
+        for (Index t = j; t < n; ++t) {
+          const T dyj = v(gr[i][t]);  // read before dx is written: dx may be dy
+          const T xh1 = detail::madd(v(xr[i][t]) - p, rs, c[i].xs);
+          if (dx) {
+            const T g = gamma ? dyj * gamma[t] : dyj;
+            const T o = detail::madd(g, rs, -detail::madd(xh1, c[i].k3, c[i].k4));
+            dx[(r + i) * n + t] = static_cast<S>(dh ? o + v(dh[(r + i) * n + t]) : o);
+          }
+          if (dw) accw[t] = detail::madd(dyj, xh1, accw[t]);
+          if (db) accb[t] += dyj;
+        }
+      }
+    };
     for (Index r0 = 0; r0 < rows;) {
       const Index r1 = std::min(rows, r0 + (kRowBlock - acc.rows));
-      for (Index r = r0; r < r1; ++r) {
-        const S* xr = x + r * n;
-        const S* gr = dy + r * n;
-        const T p = mean[r];
-        const T rs = rstd[r];
-        const Packet pp = pset1<Packet>(p);
-        Packet sg0 = pset1<Packet>(T(0)), sgd0 = sg0, sd0 = sg0, sg1 = sg0, sgd1 = sg0, sd1 = sg0;
-        Index j = 0;
-        for (; j + 2 * L <= n; j += 2 * L) {
-          Packet g0 = ld(gr + j), g1 = ld(gr + j + L);
-          if (gamma) {
-            g0 = pmul(g0, ploadu<Packet>(gamma + j));
-            g1 = pmul(g1, ploadu<Packet>(gamma + j + L));
-          }
-          const Packet d0 = psub(ld(xr + j), pp);
-          const Packet d1 = psub(ld(xr + j + L), pp);
-          sg0 = padd(sg0, g0);
-          sg1 = padd(sg1, g1);
-          sgd0 = pmadd(g0, d0, sgd0);
-          sgd1 = pmadd(g1, d1, sgd1);
-          sd0 = padd(sd0, d0);
-          sd1 = padd(sd1, d1);
-        }
-        for (; j + L <= n; j += L) {
-          Packet g0 = ld(gr + j);
-          if (gamma) g0 = pmul(g0, ploadu<Packet>(gamma + j));
-          const Packet d0 = psub(ld(xr + j), pp);
-          sg0 = padd(sg0, g0);
-          sgd0 = pmadd(g0, d0, sgd0);
-          sd0 = padd(sd0, d0);
-        }
-        double sg = static_cast<double>(predux(padd(sg0, sg1)));
-        double sgd = static_cast<double>(predux(padd(sgd0, sgd1)));
-        double sd = static_cast<double>(predux(padd(sd0, sd1)));
-        for (; j < n; ++j) {
-          const double g = static_cast<double>(gamma ? v(gr[j]) * gamma[j] : v(gr[j]));
-          const double d = static_cast<double>(v(xr[j]) - p);
-          sg += g;
-          sgd += g * d;
-          sd += d;
-        }
-        const auto bc = detail::backward_coeffs<T>(sg, sgd, sd, n, rs);
-        const T k3 = bc.k3, k4 = bc.k4, xs = bc.xs;
-        const Packet pr = pset1<Packet>(rs), p3 = pset1<Packet>(k3), p4 = pset1<Packet>(k4),
-                     pxs = pset1<Packet>(xs);
-        j = 0;
-        const bool next = ahead && r + 1 < rows;  // detail::prefetch_next_row
-        for (; j + L <= n; j += L) {
-          if (next) detail::request_next_row<L>(xr + n, gr + n, j);
-          const Packet dyv = ld(gr + j);
-          const Packet d = psub(ld(xr + j), pp);
-          const Packet xh = pmadd(d, pr, pxs);
-          if (dx) {
-            const Packet g = gamma ? pmul(dyv, ploadu<Packet>(gamma + j)) : dyv;
-            Packet o = pmadd(g, pr, pnegate(pmadd(xh, p3, p4)));
-            if (dh) o = padd(o, ld(dh + r * n + j));
-            detail::store_packet<Stream>(dx + r * n + j, o);
-          }
-          if (dw) pstoreu(accw + j, pmadd(dyv, xh, ploadu<Packet>(accw + j)));
-          if (db) pstoreu(accb + j, padd(dyv, ploadu<Packet>(accb + j)));
-        }
-        for (; j < n; ++j) {
-          const T dyj = v(gr[j]);  // read before dx[j] is written: dx may be dy
-          const T xh = detail::madd(v(xr[j]) - p, rs, xs);
-          if (dx) {
-            const T g = gamma ? dyj * gamma[j] : dyj;
-            const T o = detail::madd(g, rs, -detail::madd(xh, k3, k4));
-            dx[r * n + j] = static_cast<S>(dh ? o + v(dh[r * n + j]) : o);
-          }
-          if (dw) accw[j] = detail::madd(dyj, xh, accw[j]);
-          if (db) accb[j] += dyj;
+      for (Index r = r0; r < r1;) {
+        if (!ahead && r + 1 < r1) {  // rows in cache: two at a time
+          const detail::BackwardCoeffs<T> c[2] = {coeffs(r), coeffs(r + 1)};
+          second(std::integral_constant<int, 2>(), r, c);
+          r += 2;
+        } else {
+          const detail::BackwardCoeffs<T> c = coeffs(r);
+          second(std::integral_constant<int, 1>(), r, &c);
+          ++r;
         }
       }
       acc.rows += r1 - r0;

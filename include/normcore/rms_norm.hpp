@@ -21,6 +21,7 @@
 
 #include "normcore/common.hpp"
 #include "normcore/detail/lanes.hpp"
+#include "normcore/detail/scratch.hpp"
 #include "normcore/mixed.hpp"
 #include "normcore/layer_norm.hpp"
 #include "normcore/parallel.hpp"
@@ -640,7 +641,8 @@ class RMSNorm {
     const auto pv = detail::param_view(!xv.row_major, options_.normalized_shape(), prm.gamma,
                                        static_cast<const T*>(nullptr), n);
     const T* g = pv.gamma;
-    std::vector<double> dw_part(dweight ? static_cast<std::size_t>(groups * n) : 0, 0.0);
+    // Per-group sums of dweight (detail::Scratch: kept between calls).
+    detail::Scratch<double> dw_part(dweight ? static_cast<std::size_t>(groups * n) : 0, true);
     const bool stream_dx = xv.row_major && detail::stream_gradient<S, T>(xv.data, dyp, dhp, dx, rows, n);
     const bool ahead = detail::prefetch_next_row<S, T>(rows, n);
 
@@ -737,7 +739,7 @@ class RMSNorm {
       std::vector<Index> perm;
       const bool permute = !xv.row_major && options_.normalized_shape().size() > 1;
       if (permute) perm = detail::colmajor_to_rowmajor(options_.normalized_shape());
-      detail::emit_group_sums(dw_part, groups, n, permute ? &perm : nullptr, *dweight);
+      detail::emit_group_sums(dw_part.data(), groups, n, permute ? &perm : nullptr, *dweight);
     }
   }
 
@@ -919,11 +921,75 @@ class RMSNorm {
         sgx += static_cast<double>(g ? v(gr[j]) * g[j] : v(gr[j])) * static_cast<double>(v(xr[j]));
       return static_cast<T>(static_cast<double>(rt) * sgx / static_cast<double>(n));
     };
+    // Second pass over R rows from row i with constants c (R = 1, or 2 side
+    // by side: the block's dweight sums loaded and stored once for both,
+    // each row's terms added in row order, so the same bits as one row at a
+    // time).
+    const auto second = [&](auto rows_c, Index i, const T* c) {
+      constexpr int R = decltype(rows_c)::value;
+      const S* xr[R];
+      const S* gr[R];
+      T rt[R];
+      Packet pr[R], pnc[R];
+      NORMCORE_UNROLL
+      for (int k = 0; k < R; ++k) {
+        xr[k] = x + (i + k) * n;
+        gr[k] = dy + (i + k) * n;
+        rt[k] = static_cast<T>(r[i + k]);
+        pr[k] = pset1<Packet>(rt[k]);
+        pnc[k] = pset1<Packet>(-c[k]);
+      }
+      const bool next = R == 1 && ahead && i + 1 < count;  // detail::prefetch_next_row
+      Index j = 0;
+      for (; j + L <= n; j += L) {
+        if (next) detail::request_next_row<L>(xr[0] + n, gr[0] + n, j);
+        Packet dyv[R], xh[R];
+        NORMCORE_UNROLL
+        for (int k = 0; k < R; ++k) {
+          dyv[k] = ld(gr[k] + j);
+          xh[k] = pmul(ld(xr[k] + j), pr[k]);
+        }
+        if (dx) {
+          // Every product that meets a sum is an explicit multiply-add
+          // (detail::madd in the tail), so the bits do not depend on what
+          // the compiler contracts (GCC's -ffp-contract=fast, its default,
+          // fuses a * b + c where it sees one, differently in loops it
+          // specializes at -O3).
+          const Packet gm = g ? ploadu<Packet>(g + j) : pset1<Packet>(T(1));
+          NORMCORE_UNROLL
+          for (int k = 0; k < R; ++k) {
+            const Packet gv = g ? pmul(dyv[k], gm) : dyv[k];
+            const Packet t = pmadd(xh[k], pnc[k], gv);  // g - xh * c
+            const Packet o = dh ? pmadd(pr[k], t, ld(dh + (i + k) * n + j)) : pmul(pr[k], t);
+            detail::store_packet<Stream>(dx + (i + k) * n + j, o);
+          }
+        }
+        if (dwp) {
+          Packet a = ploadu<Packet>(acc + j);
+          NORMCORE_UNROLL
+          for (int k = 0; k < R; ++k) a = pmadd(dyv[k], xh[k], a);
+          pstoreu(acc + j, a);
+        }
+      }
+      NORMCORE_UNROLL
+      for (int k = 0; k < R; ++k) {
+        for (Index t = j; t < n; ++t) {
+          const T dyj = v(gr[k][t]);  // read before dx is written: dx may be dy
+          const T xh1 = v(xr[k][t]) * rt[k];
+          if (dx) {
+            const T tt = detail::madd(xh1, -c[k], g ? dyj * g[t] : dyj);
+            dx[(i + k) * n + t] = static_cast<S>(dh ? detail::madd(rt[k], tt, v(dh[(i + k) * n + t])) : rt[k] * tt);
+          }
+          if (dwp) acc[t] = detail::madd(dyj, xh1, acc[t]);
+        }
+      }
+    };
     // Short rows: the constants of a group of rows first, then their dx,
     // so that one row's horizontal sum and division overlap the next row's
-    // loads instead of stalling its second pass. (Long rows one at a time:
-    // grouping them measured slower.)
-    const Index group = n < detail::kShortRowPackets * L ? kRstdGroup : 1;
+    // loads instead of stalling its second pass. Long rows in pairs when in
+    // cache (their second passes side by side), else one at a time
+    // (grouping them further measured slower).
+    const Index group = n < detail::kShortRowPackets * L ? kRstdGroup : ahead ? 1 : 2;
     T cs[kRstdGroup];
     for (Index b0 = 0; b0 < count;) {
       const Index b1 = std::min(count, b0 + (kRowBlock - gacc.rows));
@@ -931,44 +997,16 @@ class RMSNorm {
         const Index i1 = std::min(b1, i0 + group);
         for (Index i = i0; i < i1; ++i)
           if (detail::normal_in<T>(r[i])) cs[i - i0] = row_c(i, static_cast<T>(r[i]));
-        for (Index i = i0; i < i1; ++i) {
-          const S* xr = x + i * n;
-          const S* gr = dy + i * n;
-          const W ri = r[i];
-          if (!detail::normal_in<T>(ri)) {
-            exact_row(xr, gr, dx ? dx + i * n : nullptr, dh ? dh + i * n : nullptr, n, ri, g, dwp);
-            continue;
-          }
-          const T rt = static_cast<T>(ri);
-          const T c = cs[i - i0];
-          const Packet pr = pset1<Packet>(rt), pnc = pset1<Packet>(-c);
-          const bool next = ahead && i + 1 < count;  // detail::prefetch_next_row
-          Index j = 0;
-          for (; j + L <= n; j += L) {
-            if (next) detail::request_next_row<L>(xr + n, gr + n, j);
-            const Packet dyv = ld(gr + j);
-            const Packet xh = pmul(ld(xr + j), pr);
-            if (dx) {
-              // Every product that meets a sum is an explicit multiply-add
-              // (detail::madd in the tail), so the bits do not depend on
-              // what the compiler contracts (GCC's -ffp-contract=fast, its
-              // default, fuses a * b + c where it sees one, differently in
-              // loops it specializes at -O3).
-              const Packet gv = g ? pmul(dyv, ploadu<Packet>(g + j)) : dyv;
-              const Packet t = pmadd(xh, pnc, gv);  // g - xh * c
-              const Packet o = dh ? pmadd(pr, t, ld(dh + i * n + j)) : pmul(pr, t);
-              detail::store_packet<Stream>(dx + i * n + j, o);
-            }
-            if (dwp) pstoreu(acc + j, pmadd(dyv, xh, ploadu<Packet>(acc + j)));
-          }
-          for (; j < n; ++j) {
-            const T dyj = v(gr[j]);  // read before dx[j] is written: dx may be dy
-            const T xh = v(xr[j]) * rt;
-            if (dx) {
-              const T t = detail::madd(xh, -c, g ? dyj * g[j] : dyj);
-              dx[i * n + j] = static_cast<S>(dh ? detail::madd(rt, t, v(dh[i * n + j])) : rt * t);
-            }
-            if (dwp) acc[j] = detail::madd(dyj, xh, acc[j]);
+        for (Index i = i0; i < i1;) {
+          if (!detail::normal_in<T>(r[i])) {
+            exact_row(x + i * n, dy + i * n, dx ? dx + i * n : nullptr, dh ? dh + i * n : nullptr, n, r[i], g, dwp);
+            ++i;
+          } else if (!ahead && i + 1 < i1 && detail::normal_in<T>(r[i + 1])) {  // in cache: two at a time
+            second(std::integral_constant<int, 2>(), i, cs + (i - i0));
+            i += 2;
+          } else {
+            second(std::integral_constant<int, 1>(), i, cs + (i - i0));
+            ++i;
           }
         }
       }
