@@ -359,9 +359,10 @@ TYPED_TEST(LayerNormTest, LargeInputForwardSameBitsAsSmallCalls) {
 // take a backward kernel that keeps gamma and the block's dweight/dbias sums
 // in registers and stores a row's last packet whole (its lanes before the
 // tail recomputed) unless dx lies over an input. On lengths around each
-// packet count, over more than one 64-row block of the parameter sums: the
-// reference, and dx written over dy or over x is the out-of-place dx bit for
-// bit, with dweight and dbias unchanged, also through backward_add.
+// packet count, 70 rows (a full 64-row block of the parameter sums and a
+// partial one): the reference, and dx written over dy, over x or (through
+// backward_add) over dh_next is the out-of-place dx bit for bit, with
+// dweight and dbias unchanged.
 TYPED_TEST(LayerNormTest, ShortRowBackwardInPlaceSameBits) {
   using T = TypeParam;
   constexpr Index L = normcore::detail::simd<T>::L;
@@ -405,9 +406,10 @@ TYPED_TEST(LayerNormTest, ShortRowBackwardInPlaceSameBits) {
   }
 }
 
-// ColMajor rows (the lane kernels): dx over dy, and over x with saved
-// statistics, is the out-of-place dx bit for bit, the parameter gradients
-// unchanged.
+// ColMajor rows (the lane kernels): dx over dy, over x with saved
+// statistics, and backward_add's dx over dh_next (added in a second pass,
+// from a copy of dh_next where dx lies over it) give the out-of-place dx bit
+// for bit, the parameter gradients unchanged.
 TYPED_TEST(LayerNormTest, ColMajorBackwardInPlaceSameBits) {
   using T = TypeParam;
   const Index rows = 37;
@@ -433,6 +435,14 @@ TYPED_TEST(LayerNormTest, ColMajorBackwardInPlaceSameBits) {
     Eigen::TensorMap<Eigen::Tensor<T, 2, Eigen::ColMajor>> over_x(buf.data(), rows, n);
     ln.backward(over_x, dy, &over_x, nullptr, nullptr, &st);
     EXPECT_TRUE(bit_equal(dx.data(), buf.data(), static_cast<std::size_t>(rows * n))) << "dx over x";
+    const auto dhs = randn<T>(static_cast<std::size_t>(rows * n), 23);
+    Eigen::TensorMap<const Eigen::Tensor<T, 2, Eigen::ColMajor>> dh(dhs.data(), rows, n);
+    Eigen::Tensor<T, 2, Eigen::ColMajor> dxh(rows, n);
+    ln.backward_add(x, dy, &dh, &dxh, nullptr, nullptr);
+    buf = dhs;
+    Eigen::TensorMap<Eigen::Tensor<T, 2, Eigen::ColMajor>> over_dh(buf.data(), rows, n);
+    ln.backward_add(x, dy, &over_dh, &over_dh, nullptr, nullptr);
+    EXPECT_TRUE(bit_equal(dxh.data(), buf.data(), static_cast<std::size_t>(rows * n))) << "dx over dh";
   }
 }
 

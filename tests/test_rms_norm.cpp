@@ -231,11 +231,11 @@ TYPED_TEST(RMSNormTest, LargeInputBackwardSameBitsAsSmallCalls) {
 
 // Short rows (up to four packets with 32 vector registers, two otherwise)
 // take a backward kernel with gamma and the block's dweight sums in
-// registers (LayerNorm's test of the same name): over more than one 64-row
-// block, the reference, and dx over dy, over x and over dh the out-of-place
+// registers (LayerNorm's test of the same name): 70 rows (a full 64-row
+// block and a partial one), the reference, and dx over dy, over x and over dh the out-of-place
 // dx bit for bit, dweight unchanged. A row of values near FLT_MAX / DBL_MAX
 // (eps 0: its rstd is below T's normal range) takes the exact path inside
-// the kernel: the reference there, its neighbours' bits untouched.
+// the kernel: the reference there.
 TYPED_TEST(RMSNormTest, ShortRowBackwardInPlaceSameBits) {
   using T = TypeParam;
   constexpr Index L = normcore::detail::simd<T>::L;
@@ -289,9 +289,10 @@ TYPED_TEST(RMSNormTest, ShortRowBackwardInPlaceSameBits) {
   }
 }
 
-// ColMajor rows (the lane kernels): dx over dy, and over x with saved
-// statistics, is the out-of-place dx bit for bit, the parameter gradients
-// unchanged.
+// ColMajor rows (the lane kernels): dx over dy, over x with saved
+// statistics, and backward_add's dx over dh_next (added in a second pass,
+// from a copy of dh_next where dx lies over it) give the out-of-place dx bit
+// for bit, the parameter gradients unchanged.
 TYPED_TEST(RMSNormTest, ColMajorBackwardInPlaceSameBits) {
   using T = TypeParam;
   const Index rows = 37;
@@ -317,6 +318,14 @@ TYPED_TEST(RMSNormTest, ColMajorBackwardInPlaceSameBits) {
     Eigen::TensorMap<Eigen::Tensor<T, 2, Eigen::ColMajor>> over_x(buf.data(), rows, n);
     ln.backward(over_x, dy, &over_x, nullptr, &st);
     EXPECT_TRUE(bit_equal(dx.data(), buf.data(), static_cast<std::size_t>(rows * n))) << "dx over x";
+    const auto dhs = randn<T>(static_cast<std::size_t>(rows * n), 23);
+    Eigen::TensorMap<const Eigen::Tensor<T, 2, Eigen::ColMajor>> dh(dhs.data(), rows, n);
+    Eigen::Tensor<T, 2, Eigen::ColMajor> dxh(rows, n);
+    ln.backward_add(x, dy, &dh, &dxh, nullptr);
+    buf = dhs;
+    Eigen::TensorMap<Eigen::Tensor<T, 2, Eigen::ColMajor>> over_dh(buf.data(), rows, n);
+    ln.backward_add(x, dy, &over_dh, &over_dh, nullptr);
+    EXPECT_TRUE(bit_equal(dxh.data(), buf.data(), static_cast<std::size_t>(rows * n))) << "dx over dh";
   }
 }
 

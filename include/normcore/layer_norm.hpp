@@ -835,10 +835,20 @@ class LayerNorm {
           }
           if (acc.rows) acc.flush(dw, db);
         } else if constexpr (!wide) {  // (16-bit ColMajor inputs arrive widened)
-          backward_colmajor(xv.data, dyp, dxp, rows, r0, r1, n, mean, rstd, pv.gamma, dw, db);
-          if (dxp && dhp) {  // the residual gradient, added in a second pass
+          // The residual gradient, added in a second pass: from a copy of the
+          // group's rows of dh when dx lies over dh (the kernel writes dx first).
+          const Index m = r1 - r0;
+          const bool dh_under = dxp && dhp && !detail::disjoint(dxp, rows * n, dhp, rows * n);
+          std::vector<T> dh_rows(dh_under ? static_cast<std::size_t>(m * n) : 0);
+          if (dh_under) {
             for (Index j = 0; j < n; ++j)
-              for (Index r = r0; r < r1; ++r) dxp[j * rows + r] += dhp[j * rows + r];
+              for (Index r = r0; r < r1; ++r) dh_rows[static_cast<std::size_t>(j * m + r - r0)] = dhp[j * rows + r];
+          }
+          backward_colmajor(xv.data, dyp, dxp, rows, r0, r1, n, mean, rstd, pv.gamma, dw, db);
+          if (dxp && dhp) {
+            for (Index j = 0; j < n; ++j)
+              for (Index r = r0; r < r1; ++r)
+                dxp[j * rows + r] += dh_under ? dh_rows[static_cast<std::size_t>(j * m + r - r0)] : dhp[j * rows + r];
           }
         }
       }

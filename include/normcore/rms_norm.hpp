@@ -726,10 +726,20 @@ class RMSNorm {
           continue;
         }
         if constexpr (!wide) {
-          backward_lanes_group(xv, dyp, dx, g0, g1, g, dwp, saved);
-          if (dx && dhp) {  // the residual gradient, added in a second pass
+          // The residual gradient, added in a second pass: from a copy of the
+          // group's rows of dh when dx lies over dh (the kernel writes dx first).
+          const Index m = g1 - g0;
+          const bool dh_under = dx && dhp && !detail::disjoint(dx, rows * n, dhp, rows * n);
+          std::vector<T> dh_rows(dh_under ? static_cast<std::size_t>(m * n) : 0);
+          if (dh_under) {
             for (Index j = 0; j < n; ++j)
-              for (Index i = g0; i < g1; ++i) dx[j * rows + i] += dhp[j * rows + i];
+              for (Index i = g0; i < g1; ++i) dh_rows[static_cast<std::size_t>(j * m + i - g0)] = dhp[j * rows + i];
+          }
+          backward_lanes_group(xv, dyp, dx, g0, g1, g, dwp, saved);
+          if (dx && dhp) {
+            for (Index j = 0; j < n; ++j)
+              for (Index i = g0; i < g1; ++i)
+                dx[j * rows + i] += dh_under ? dh_rows[static_cast<std::size_t>(j * m + i - g0)] : dhp[j * rows + i];
           }
         }
       }

@@ -60,8 +60,13 @@ class Scratch {
     ScratchArena& a = scratch_arena();
     if (a.top + bytes_ <= kScratchKeepBytes) a.want = std::max(a.want, a.top + bytes_);
     if (a.top == 0 && a.capacity < a.want) {  // nothing alive: grow to the largest total seen
-      a.base.reset(static_cast<unsigned char*>(::operator new[](a.want, std::align_val_t(64))));
-      a.capacity = a.want;
+      auto* p = static_cast<unsigned char*>(::operator new[](a.want, std::align_val_t(64), std::nothrow));
+      if (p) {
+        a.base.reset(p);
+        a.capacity = a.want;
+      } else {  // no memory for it: this request and later ones go to the heap
+        a.want = a.capacity;
+      }
     }
     if (a.top + bytes_ <= a.capacity) {
       p_ = reinterpret_cast<T*>(a.base.get() + a.top);
