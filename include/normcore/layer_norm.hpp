@@ -17,6 +17,7 @@
 #include "normcore/detail/lanes.hpp"
 #include "normcore/detail/normalize.hpp"
 #include "normcore/detail/scratch.hpp"
+#include "normcore/detail/short_rows.hpp"
 #include "normcore/mixed.hpp"
 #include "normcore/parallel.hpp"
 #include "normcore/statistics.hpp"
@@ -835,21 +836,9 @@ class LayerNorm {
           }
           if (acc.rows) acc.flush(dw, db);
         } else if constexpr (!wide) {  // (16-bit ColMajor inputs arrive widened)
-          // The residual gradient, added in a second pass: from a copy of the
-          // group's rows of dh when dx lies over dh (the kernel writes dx first).
-          const Index m = r1 - r0;
-          const bool dh_under = dxp && dhp && !detail::disjoint(dxp, rows * n, dhp, rows * n);
-          std::vector<T> dh_rows(dh_under ? static_cast<std::size_t>(m * n) : 0);
-          if (dh_under) {
-            for (Index j = 0; j < n; ++j)
-              for (Index r = r0; r < r1; ++r) dh_rows[static_cast<std::size_t>(j * m + r - r0)] = dhp[j * rows + r];
-          }
+          const detail::ColMajorResidual<T> residual(dxp, dhp, rows, n, r0, r1);  // added after
           backward_colmajor(xv.data, dyp, dxp, rows, r0, r1, n, mean, rstd, pv.gamma, dw, db);
-          if (dxp && dhp) {
-            for (Index j = 0; j < n; ++j)
-              for (Index r = r0; r < r1; ++r)
-                dxp[j * rows + r] += dh_under ? dh_rows[static_cast<std::size_t>(j * m + r - r0)] : dhp[j * rows + r];
-          }
+          residual.add_to(dxp);
         }
       }
       if (stream_dx) detail::stream_fence();
@@ -895,10 +884,6 @@ class LayerNorm {
     }
   };
 
-  // Rows of at most kShortBackwardPackets packets (and at least one):
-  // backward_rows_short<K> for K = ceil(n / L) packets per row.
-  static constexpr int kShortBackwardPackets = EIGEN_ARCH_DEFAULT_NUMBER_OF_REGISTERS >= 32 ? 4 : 2;
-
   // backward_rows for rows of K packets at most (n in ((K - 1) L, K L]),
   // everything the rows share held in registers: gamma, and the block's
   // dweight/dbias sums (loaded from acc at the block's start, stored at its
@@ -914,19 +899,15 @@ class LayerNorm {
                                   GradAcc& acc) {
     using namespace Eigen::internal;
     using Packet = typename detail::simd<T>::Packet;
-    constexpr int L = detail::simd<T>::L;
     const auto ld = [](const S* q) { return detail::load_widened<Packet>(q); };
     const auto v = [](S s) { return static_cast<T>(s); };
     T* const accw = acc.w.data();
     T* const accb = acc.b.data();
-    const Index last = n - L;  // the last packet's offset
-    const Index fresh = n - (K - 1) * L;  // its lanes L - fresh .. L - 1 are new
-    const Packet mask = pcmp_le(pset1<Packet>(static_cast<T>(L - fresh)), plset<Packet>(T(0)));
-    const auto at = [&](int k) { return k == K - 1 ? last : static_cast<Index>(k) * L; };
-    const Index total = rows * n;
-    const bool whole_dx = fresh == L || (dx && detail::disjoint(dx, total, x, total) &&
-                                         detail::disjoint(dx, total, dy, total) &&
-                                         (!dh || detail::disjoint(dx, total, dh, total)));
+    const detail::ShortRow<T, K> row(n);
+    const Index last = row.last, fresh = row.fresh;
+    const Packet mask = row.mask;
+    const auto at = [&](int k) { return row.at(k); };
+    const bool whole_dx = row.whole_dx(x, dy, dx, dh, rows, n);
     Packet G[K];
     NORMCORE_UNROLL
     for (int k = 0; k < K; ++k) G[k] = gamma ? ploadu<Packet>(gamma + at(k)) : pset1<Packet>(T(1));
@@ -1012,11 +993,11 @@ class LayerNorm {
     using namespace Eigen::internal;
     using Packet = typename detail::simd<T>::Packet;
     constexpr int L = detail::simd<T>::L;
-    if (n >= L && n <= kShortBackwardPackets * L) {
+    if (n >= L && n <= detail::kShortBackwardPackets * L) {  // backward_rows_short<ceil(n / L)>
       const Index k = (n + L - 1) / L;
       if (k == 1) return backward_rows_short<1, Stream>(x, dy, dx, rows, n, mean, rstd, gamma, dw, db, dh, acc);
       if (k == 2) return backward_rows_short<2, Stream>(x, dy, dx, rows, n, mean, rstd, gamma, dw, db, dh, acc);
-      if constexpr (kShortBackwardPackets >= 4) {
+      if constexpr (detail::kShortBackwardPackets >= 4) {
         if (k == 3) return backward_rows_short<3, Stream>(x, dy, dx, rows, n, mean, rstd, gamma, dw, db, dh, acc);
         return backward_rows_short<4, Stream>(x, dy, dx, rows, n, mean, rstd, gamma, dw, db, dh, acc);
       }

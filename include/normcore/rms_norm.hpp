@@ -22,6 +22,7 @@
 #include "normcore/common.hpp"
 #include "normcore/detail/lanes.hpp"
 #include "normcore/detail/scratch.hpp"
+#include "normcore/detail/short_rows.hpp"
 #include "normcore/mixed.hpp"
 #include "normcore/layer_norm.hpp"
 #include "normcore/parallel.hpp"
@@ -726,21 +727,9 @@ class RMSNorm {
           continue;
         }
         if constexpr (!wide) {
-          // The residual gradient, added in a second pass: from a copy of the
-          // group's rows of dh when dx lies over dh (the kernel writes dx first).
-          const Index m = g1 - g0;
-          const bool dh_under = dx && dhp && !detail::disjoint(dx, rows * n, dhp, rows * n);
-          std::vector<T> dh_rows(dh_under ? static_cast<std::size_t>(m * n) : 0);
-          if (dh_under) {
-            for (Index j = 0; j < n; ++j)
-              for (Index i = g0; i < g1; ++i) dh_rows[static_cast<std::size_t>(j * m + i - g0)] = dhp[j * rows + i];
-          }
+          const detail::ColMajorResidual<T> residual(dx, dhp, rows, n, g0, g1);  // added after
           backward_lanes_group(xv, dyp, dx, g0, g1, g, dwp, saved);
-          if (dx && dhp) {
-            for (Index j = 0; j < n; ++j)
-              for (Index i = g0; i < g1; ++i)
-                dx[j * rows + i] += dh_under ? dh_rows[static_cast<std::size_t>(j * m + i - g0)] : dhp[j * rows + i];
-          }
+          residual.add_to(dx);
         }
       }
       if (stream_dx) detail::stream_fence();
@@ -796,10 +785,6 @@ class RMSNorm {
     }
   }
 
-  // Rows of at most kShortBackwardPackets packets (and at least one):
-  // backward_rows_short<K> for K = ceil(n / L) packets per row.
-  static constexpr int kShortBackwardPackets = EIGEN_ARCH_DEFAULT_NUMBER_OF_REGISTERS >= 32 ? 4 : 2;
-
   // backward_rows for rows of K packets at most (n in ((K - 1) L, K L]),
   // as LayerNorm's backward_rows_short: gamma and the block's dweight sums
   // in registers (per column the same multiply-adds in the same order as
@@ -812,18 +797,14 @@ class RMSNorm {
                                   const T* g, double* dwp, const S* dh, GradAcc& gacc) {
     using namespace Eigen::internal;
     using Packet = typename detail::simd<T>::Packet;
-    constexpr int L = detail::simd<T>::L;
     const auto ld = [](const S* q) { return detail::load_widened<Packet>(q); };
     const auto v = [](S s) { return static_cast<T>(s); };
     T* const acc = gacc.w.data();
-    const Index last = n - L;
-    const Index fresh = n - (K - 1) * L;
-    const Packet mask = pcmp_le(pset1<Packet>(static_cast<T>(L - fresh)), plset<Packet>(T(0)));
-    const auto at = [&](int k) { return k == K - 1 ? last : static_cast<Index>(k) * L; };
-    const Index total = count * n;
-    const bool whole_dx = fresh == L || (dx && detail::disjoint(dx, total, x, total) &&
-                                         detail::disjoint(dx, total, dy, total) &&
-                                         (!dh || detail::disjoint(dx, total, dh, total)));
+    const detail::ShortRow<T, K> row(n);
+    const Index last = row.last, fresh = row.fresh;
+    const Packet mask = row.mask;
+    const auto at = [&](int k) { return row.at(k); };
+    const bool whole_dx = row.whole_dx(x, dy, dx, dh, count, n);
     Packet G[K];
     NORMCORE_UNROLL
     for (int k = 0; k < K; ++k) G[k] = g ? ploadu<Packet>(g + at(k)) : pset1<Packet>(T(1));
@@ -894,11 +875,11 @@ class RMSNorm {
     using namespace Eigen::internal;
     using Packet = typename detail::simd<T>::Packet;
     constexpr int L = detail::simd<T>::L;
-    if (n >= L && n <= kShortBackwardPackets * L) {
+    if (n >= L && n <= detail::kShortBackwardPackets * L) {  // backward_rows_short<ceil(n / L)>
       const Index k = (n + L - 1) / L;
       if (k == 1) return backward_rows_short<1, Stream>(x, dy, dx, count, n, r, g, dwp, dh, gacc);
       if (k == 2) return backward_rows_short<2, Stream>(x, dy, dx, count, n, r, g, dwp, dh, gacc);
-      if constexpr (kShortBackwardPackets >= 4) {
+      if constexpr (detail::kShortBackwardPackets >= 4) {
         if (k == 3) return backward_rows_short<3, Stream>(x, dy, dx, count, n, r, g, dwp, dh, gacc);
         return backward_rows_short<4, Stream>(x, dy, dx, count, n, r, g, dwp, dh, gacc);
       }
