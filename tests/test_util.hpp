@@ -100,11 +100,12 @@ inline const std::vector<Index>& awkward_lengths() {
   return v;
 }
 
-/// A row-wise backward over an input of normcore::detail::kStreamingBytes or
-/// more, rows of n values, writes dx with streaming stores when dx is
-/// aligned, whole packets per row and apart from x and dy: dx must be the
-/// bits of the same rows in calls below the threshold, whichever stores it
-/// takes (aligned, one element off alignment, or over dy).
+/// A row-wise backward over enough rows of n values to stream
+/// (normcore::detail::streaming_backward: x and dy together at least
+/// kStreamingBytes) writes dx with streaming stores when dx is aligned,
+/// whole packets per row and apart from x and dy: dx must be the bits of the
+/// same rows in calls below the threshold, whichever stores it takes
+/// (aligned, one element off alignment, or over dy).
 /// backward(x, dy, dx, grads): the layer's backward into dx, with its
 /// parameter gradients when grads.
 template <typename T, typename Backward>
@@ -113,13 +114,14 @@ void check_large_backward(Index n, Backward&& backward) {
   using CMap = Eigen::TensorMap<const Eigen::Tensor<T, 2, Eigen::RowMajor>>;
   SCOPED_TRACE(::testing::Message() << "n=" << n);
   const Index row_bytes = n * static_cast<Index>(sizeof(T));
-  const Index rows = normcore::detail::kStreamingBytes / row_bytes + 5;
+  const Index rows = normcore::detail::kStreamingBytes / (2 * row_bytes) + 5;
   const auto N = static_cast<std::size_t>(rows * n);
   const auto xb = randn<T>(N, 23, 0.5, 2.0);
   const auto dyb = randn<T>(N, 24);
   std::vector<T> want(N);
-  const Index chunk = 1000;
-  ASSERT_LT(chunk * row_bytes, normcore::detail::kStreamingBytes);
+  const Index chunk = normcore::detail::kStreamingBytes / (8 * row_bytes);
+  ASSERT_TRUE((normcore::detail::streaming_backward<T, T>(rows, n)));
+  ASSERT_FALSE((normcore::detail::streaming_backward<T, T>(chunk, n)));
   for (Index r0 = 0; r0 < rows; r0 += chunk) {
     const Index m = std::min(chunk, rows - r0);
     CMap xs(xb.data() + r0 * n, m, n), dys(dyb.data() + r0 * n, m, n);
