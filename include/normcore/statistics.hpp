@@ -393,10 +393,14 @@ inline void prefetch_span(const void* p, Index bytes) {
 /// (18-36 MB in all, against a 32 MB L3) dx written through the cache
 /// evicted the x and dy lines that the next call, or the next row, reads.
 /// Measured on Zen 4 against the gate on x alone (float, -O3, the same
-/// input every call): LayerNorm backward 0.48-0.68x the time at 2048x1024,
-/// 0.63x at 1536x1024, RMSNorm 0.65-0.74x and 0.77x; rows of 64 at 6 MB
-/// 0.98-1.02x. With x at 4 MB, long rows still gained (0.84-0.96x) but
-/// RMSNorm's rows of 64 lost (1.08x at 16384x64), hence this gate.
+/// input every call, two sittings): LayerNorm backward 0.48-0.61x the time
+/// at 2048x1024, 0.63-0.67x at 1536x1024, 0.73x at 768x2048; RMSNorm
+/// 0.65-0.73x and 0.75-0.77x; rows of 64 at 6 MB 0.89-1.02x; -O2 alike.
+/// With x at 4 MB, long rows still gained (0.84-0.96x) but RMSNorm's rows
+/// of 64 lost (1.08x at 16384x64), hence this gate. The
+/// forwards, which touch only x and y, keep streaming_input: with the same
+/// lower gate they took 1.03-1.15x the time at 1536x1024, 768x2048 and on
+/// rows of 50 and 64.
 template <typename S, typename T>
 bool streaming_backward(Index rows, Index n) {
   return streaming_input<S, T>(2 * rows, n);
