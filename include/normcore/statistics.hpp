@@ -397,10 +397,10 @@ inline void prefetch_span(const void* p, Index bytes) {
 /// at 2048x1024, 0.63-0.67x at 1536x1024, 0.73x at 768x2048; RMSNorm
 /// 0.65-0.73x and 0.75-0.77x; rows of 64 at 6 MB 0.89-1.02x; -O2 alike.
 /// With x at 4 MB, long rows still gained (0.84-0.96x) but RMSNorm's rows
-/// of 64 lost (1.08x at 16384x64), hence this gate. The
-/// forwards, which touch only x and y, keep streaming_input: with the same
-/// lower gate they took 1.03-1.15x the time at 1536x1024, 768x2048 and on
-/// rows of 50 and 64 (RMSNorm 1.05x at 2048x1024, LayerNorm 0.82x).
+/// of 64 lost (1.08x at 16384x64), hence this gate. The forwards, which
+/// touch only x and y, keep streaming_input: with the same lower gate they
+/// took 1.03-1.15x the time at 1536x1024, 768x2048 and on rows of 50 and 64
+/// (RMSNorm 1.05x at 2048x1024, LayerNorm 0.82x).
 template <typename S, typename T>
 bool streaming_backward(Index rows, Index n) {
   return streaming_input<S, T>(2 * rows, n);
