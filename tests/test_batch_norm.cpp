@@ -95,6 +95,11 @@ TYPED_TEST(BatchNormTest, TrainingForwardBackwardAllLayouts) {
   }
   check_nchw<TypeParam>(8, 19, 7, 7, 99, 1e4);
   check_nchw<TypeParam>(300, 5, 1, 1, 98, 3.0);  // (N, C) with many rows
+  // Channels-last rows not a multiple of four (the backward's sums take four
+  // rows at a time, then the rest one by one): 75 rows, and 297 (a chunk of
+  // 256 rows, then 41), with channels short of a packet and with a tail.
+  check_nchw<TypeParam>(3, 7, 5, 5, 97, 2.0);
+  check_nchw<TypeParam>(3, 21, 11, 9, 96, 1.0);
 }
 
 // Inputs of normcore::detail::kStreamingBytes or more write y with streaming

@@ -120,6 +120,7 @@ void check_large_backward(Index n, Backward&& backward) {
   const auto dyb = randn<T>(N, 24);
   std::vector<T> want(N);
   const Index chunk = normcore::detail::kStreamingBytes / (8 * row_bytes);
+  ASSERT_GT(chunk, 0);
   ASSERT_TRUE((normcore::detail::streaming_backward<T, T>(rows, n)));
   ASSERT_FALSE((normcore::detail::streaming_backward<T, T>(chunk, n)));
   for (Index r0 = 0; r0 < rows; r0 += chunk) {

@@ -388,10 +388,12 @@ inline void prefetch_span(const void* p, Index bytes) {
 /// (computed in T) streams: the gate of streaming_input on what it reads,
 /// x and dy together (so x alone of at least kStreamingBytes / 2). Its dx
 /// then takes streaming stores where it can (stream_gradient) and its long
-/// rows request the next row (prefetch_next_row). The call touches x, dy
-/// and dx, 1.5x what a forward of the same input touches; with x at 6-12 MB
-/// (18-36 MB in all, against a 32 MB L3) dx written through the cache
-/// evicted the x and dy lines that the next call, or the next row, reads.
+/// rows request the next row (prefetch_next_row), one row at a time (the
+/// second pass takes two rows side by side only on inputs the caches hold).
+/// The call touches x, dy and dx, 1.5x what a forward of the same input
+/// touches; with x at 6-12 MB (18-36 MB in all, against a 32 MB L3) dx
+/// written through the cache evicted the x and dy lines that the next call,
+/// or the next row, reads.
 /// Measured on Zen 4 against the gate on x alone (float, -O3, the same
 /// input every call, two sittings): LayerNorm backward 0.48-0.61x the time
 /// at 2048x1024, 0.63-0.67x at 1536x1024, 0.73x at 768x2048; RMSNorm
