@@ -829,8 +829,21 @@ class BatchNorm {
   // 0.78x; -O2 0.88x and 0.95x); on inputs from memory it lost
   // (32x64x56x56 1.10x, 256x256x14x14 1.23x; 64x64x28x28, 12.8 MB, 1.00x),
   // hence the gate (x under kStreamingBytes). Two rows at a time: 0.95x at
-  // 64x512x7x7, 1.05x at 4096x512.
+  // 64x512x7x7, 1.05x at 4096x512. On Zen 3 (AVX2, the same 256-bit
+  // packets) four rows lost from 6 MB (0.87x the time with one row at
+  // 64x512x7x7, 0.91x at (N,C) 4096x512, 0.82x at 12544x128) and won or tied
+  // below (1.15x with one row at 32768x32, 0.99x at 2048x512), so builds
+  // without AVX-512 gate them as the row-wise backwards (x under
+  // kStreamingBytes / 2, detail::streaming_backward): the instruction set
+  // stands in for the machine, the only hint a header has.
   static constexpr int kSumRows = 4;
+  static bool sum_rows_cached(Index rows, Index C) {
+#if defined(EIGEN_VECTORIZE_AVX512)
+    return !detail::streaming_input<T, T>(rows, C);
+#else
+    return !detail::streaming_backward<T, T>(rows, C);
+#endif
+  }
   static void chunk_sums(const T* x, const T* dy, Index C, const T* mean, Index c0, Index w, Index r0, Index r1,
                          T* a, bool cached) {
     const Index o = cached ? chunk_sums_rows<kSumRows>(x, dy, C, mean, c0, w, r0, r1, a) : r0;
@@ -888,7 +901,7 @@ class BatchNorm {
                     double* sg, double* sgd, double* sd) const {
     const Index C = v.C;
     for (Index c = 0; c < C; ++c) sg[c] = sgd[c] = sd[c] = 0;
-    const bool cached = !detail::streaming_input<T, T>(v.outer * v.inner, C);  // chunk_sums
+    const bool cached = sum_rows_cached(v.outer * v.inner, C);  // chunk_sums
     if (rows_split(device, v)) {
       row_chunks<double>(device, v, 3 * C, [&](Index k0, Index k1, double* out) {
         std::vector<T> a(static_cast<std::size_t>(3 * C));
