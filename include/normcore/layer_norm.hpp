@@ -1130,11 +1130,7 @@ class LayerNorm {
     for (Index r0 = 0; r0 < rows;) {
       const Index r1 = std::min(rows, r0 + (kRowBlock - acc.rows));
       for (Index r = r0; r < r1;) {
-        // Rows in cache: two at a time where the build has 32 vector
-        // registers. With AVX2's 16, the pair's ten broadcast constants
-        // and its loads spill: on Zen 3 one row at a time took 0.52x the
-        // time at 64x768 and 512x768, 0.62x at 256x4096, 0.64x at 2048x100.
-        if (detail::kWideRegisterFile && !ahead && r + 1 < r1) {
+        if (!ahead && r + 1 < r1) {  // rows in cache: two at a time
           const detail::BackwardCoeffs<T> c[2] = {coeffs(r), coeffs(r + 1)};
           second(std::integral_constant<int, 2>(), r, c);
           r += 2;
