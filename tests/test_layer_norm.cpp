@@ -243,7 +243,10 @@ TYPED_TEST(LayerNormTest, GroupNormalizeSameBitsAsRowAlone) {
   using T = TypeParam;
   constexpr Index L = normcore::detail::simd<T>::L;
   const Index rows = 19;
-  for (Index n : {Index(1), L - 1, L + 1, 2 * L + 1, 4 * L - 1, 4 * L, 4 * L + 1}) {
+  // Long rows too, from the shortest: a row alone takes its own path there
+  // (LayerNorm::forward_rows), its mean and rstd included.
+  constexpr Index kLong = normcore::detail::kShortMomentsValues<T>;
+  for (Index n : {Index(1), L - 1, L + 1, 2 * L + 1, 4 * L - 1, 4 * L, 4 * L + 1, kLong, kLong + 1}) {
     if (n < 1) continue;
     SCOPED_TRACE(::testing::Message() << "n=" << n);
     LayerNorm<T> ln(LayerNormOptions({n}));

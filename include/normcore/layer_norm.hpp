@@ -377,7 +377,9 @@ class LayerNorm {
   // streaming stores when it can (detail::can_stream_rows). Other inputs take a loop
   // that only normalizes (0.91-0.97x the time on short rows without the
   // per-row tests), full groups of short rows with weight and bias a packet
-  // column at a time (detail::normalize_group).
+  // column at a time (detail::normalize_group). One long row alone (not
+  // streaming) skips the group's arrays: forward_long_rows with a count of
+  // one, its coefficients and then its normalize.
   // The longest rows whose normalize pass requests the next row
   // (detail::forward_requests): with gamma and beta, longer rows lost.
   static constexpr Index kRequestMaxRowBytes = 8192;
@@ -440,8 +442,9 @@ class LayerNorm {
     if (stream) detail::stream_fence();
   }
 
-  // forward_rows' long rows of a streaming input (one-row groups), one at
-  // a time: the moments of row r + 1 are taken in the loop that normalizes
+  // forward_rows' long rows of a streaming input (one-row groups), and one
+  // long row alone on any input (count 1: no interleaving), one at a time:
+  // the moments of row r + 1 are taken in the loop that normalizes
   // row r (detail::moments_normalizing), so that reads from memory stay in
   // flight while the row is written. The same bits as a row at a time.
   // Measured on Zen 4 (AVX-512, float) against the row-at-a-time loop, on
@@ -450,7 +453,7 @@ class LayerNorm {
   // next row instead, forward_requests), 0.99-1.03x on rows of 3072-8192;
   // without bias 0.94-0.97x, and without weight and bias 0.77x (1024) and
   // 0.81x (4096-8192). Hence: rows not requested, except long ones with
-  // both. Only where the build has 32 vector registers: the loop keeps the
+  // both. The interleaving only where the build has 32 vector registers: the loop keeps the
   // kernel's 16 accumulators and the normalize's 3 coefficients in
   // registers, which 16 (SSE, AVX2) would spill; not measured there.
   static bool interleave_long_rows(Index n, bool request, const T* g, const T* b) {
