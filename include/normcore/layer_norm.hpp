@@ -385,11 +385,10 @@ class LayerNorm {
   static constexpr Index kRequestMaxRowBytes = 8192;
   void forward_rows(const T* x, T* out, Index n, Index count, T* mean, T* rstd, const T* g,
                     const T* b, bool streaming = false) const {
-    // One long row (the latency case, as 1x768): its coefficients straight
-    // into registers and then its normalize, without the group's arrays
-    // (forward_long_rows with a count of one). The same bits as in a group;
-    // a short row keeps the group kernel, whose bits differ. On Zen 3
-    // (AVX2) 0.82-0.85x the time at 1x768.
+    // One long row (the latency case, as 1x768): the same bits as in a
+    // group; a short row keeps the group kernel, whose bits differ. On Zen 3
+    // (AVX2) 0.82-0.85x the time at 1x768 in a standalone driver, 0.96x in
+    // the bench.
     if (count == 1 && !streaming && n >= detail::kShortMomentsValues<T>) {
       forward_long_rows<false>(x, out, n, count, mean, rstd, g, b);
       return;

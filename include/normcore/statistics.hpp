@@ -859,26 +859,22 @@ void lane_chunk_in_registers(const T* x, Index stride, Index i0, Index iters, co
 template <typename F>
 void with_register_packets(int np, F&& f) {
   static_assert(kRegisterLanePackets == 4 || kRegisterLanePackets == 8, "the cases cover 4 or 8 packets");
-  // One switch per register file: with 16 registers the cases past 4
-  // would all be the same call (clang-tidy's bugprone-branch-clone).
+  // Counts past 4 only where there are registers for them; with 16, one
+  // switch holding them would have identical cases (bugprone-branch-clone).
   if constexpr (kRegisterLanePackets >= 8) {
     switch (np) {
-      case 1: return f(std::integral_constant<int, 1>());
-      case 2: return f(std::integral_constant<int, 2>());
-      case 3: return f(std::integral_constant<int, 3>());
-      case 4: return f(std::integral_constant<int, 4>());
       case 5: return f(std::integral_constant<int, 5>());
       case 6: return f(std::integral_constant<int, 6>());
       case 7: return f(std::integral_constant<int, 7>());
-      default: return f(std::integral_constant<int, 8>());
+      case 8: return f(std::integral_constant<int, 8>());
+      default: break;
     }
-  } else {
-    switch (np) {
-      case 1: return f(std::integral_constant<int, 1>());
-      case 2: return f(std::integral_constant<int, 2>());
-      case 3: return f(std::integral_constant<int, 3>());
-      default: return f(std::integral_constant<int, 4>());
-    }
+  }
+  switch (np) {
+    case 1: return f(std::integral_constant<int, 1>());
+    case 2: return f(std::integral_constant<int, 2>());
+    case 3: return f(std::integral_constant<int, 3>());
+    default: return f(std::integral_constant<int, 4>());
   }
 }
 
