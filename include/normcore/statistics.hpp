@@ -820,13 +820,19 @@ namespace detail {
 /// many packets of channel constants (three per packet) in registers.
 constexpr int kRegisterLanePackets = EIGEN_ARCH_DEFAULT_NUMBER_OF_REGISTERS >= 32 ? 8 : 4;
 
-/// One chunk of lane_chunks with the states of its NP packets of lanes
-/// (every lane; no leftover lanes) in registers: rows i0 .. i0 + iters - 1,
-/// then the states stored to mean and m2. Each lane runs the same
-/// recurrence as in memory, so the same bits.
+/// Bytes of rows that lane_chunks steps through block after block when the
+/// lanes fill more than one block (see lane_chunks): half of a 32 KB L1.
+constexpr Index kLaneTileBytes = 16 * 1024;
+
+/// Rows of a chunk of lane_chunks with the states of NP packets of lanes
+/// (every lane; no leftover lanes) in registers: the states are loaded from
+/// mean and m2, stepped through the chunk's rows first .. first + iters - 1
+/// (counted from 1; row k of the chunk is x + (i0 + k - 1) * stride) and
+/// stored back. Each lane runs the same recurrence as in memory, so the
+/// same bits.
 template <int NP, typename T>
-void lane_chunk_in_registers(const T* x, Index stride, Index i0, Index iters, const T* pivot, T* mean,
-                             T* m2) {
+void lane_chunk_in_registers(const T* x, Index stride, Index i0, Index first, Index iters, const T* pivot,
+                             T* mean, T* m2) {
   using namespace Eigen::internal;
   using Packet = typename simd<T>::Packet;
   constexpr int L = simd<T>::L;
@@ -834,8 +840,11 @@ void lane_chunk_in_registers(const T* x, Index stride, Index i0, Index iters, co
   Packet mu[NP];
   Packet q[NP];
   NORMCORE_UNROLL
-  for (int k = 0; k < NP; ++k) mu[k] = q[k] = pset1<Packet>(T(0));
-  for (Index it = 1; it <= iters; ++it) {
+  for (int k = 0; k < NP; ++k) {
+    mu[k] = ploadu<Packet>(mean + k * L);
+    q[k] = ploadu<Packet>(m2 + k * L);
+  }
+  for (Index it = first; it < first + iters; ++it) {
     const T* row = x + (i0 + it - 1) * stride;
     const Packet pinv = pset1<Packet>(recip[static_cast<std::size_t>(it)]);
     NORMCORE_UNROLL
@@ -850,57 +859,6 @@ void lane_chunk_in_registers(const T* x, Index stride, Index i0, Index iters, co
   for (int k = 0; k < NP; ++k) {
     pstoreu(mean + k * L, mu[k]);
     pstoreu(m2 + k * L, q[k]);
-  }
-}
-
-/// Rows [i0, i0 + iters) of a chunk of lane_chunks for the lanes [0, vec)
-/// (whole narrow_simd packets), kRowsPerState rows at a time: each packet's
-/// states are loaded, stepped through the rows in row order and stored, so
-/// every lane runs the same recurrence as in lane_chunks_in_memory (the same
-/// bits). The rows are read front to back, side by side.
-template <typename T>
-void lane_rows_in_memory(const T* x, Index stride, Index i0, Index iters, const T* pivot, Index vec, T* mean,
-                         T* m2) {
-  using namespace Eigen::internal;
-  using Packet = typename narrow_simd<T>::Packet;
-  constexpr int L = narrow_simd<T>::L;
-  constexpr int R = 4;
-  const auto& recip = detail::reciprocals<T>::table;
-  Index it = 1;
-  for (; it + R - 1 <= iters; it += R) {
-    const T* row[R];
-    Packet inv[R];
-    NORMCORE_UNROLL
-    for (int r = 0; r < R; ++r) {
-      row[r] = x + (i0 + it - 1 + r) * stride;
-      inv[r] = pset1<Packet>(recip[static_cast<std::size_t>(it + r)]);
-    }
-    for (Index c = 0; c < vec; c += L) {
-      const Packet pp = ploadu<Packet>(pivot + c);
-      Packet mu = ploadu<Packet>(mean + c);
-      Packet q = ploadu<Packet>(m2 + c);
-      NORMCORE_UNROLL
-      for (int r = 0; r < R; ++r) {
-        const Packet d = psub(ploadu<Packet>(row[r] + c), pp);
-        const Packet delta = psub(d, mu);
-        mu = pmadd(delta, inv[r], mu);
-        q = pmadd(delta, psub(d, mu), q);
-      }
-      pstoreu(mean + c, mu);
-      pstoreu(m2 + c, q);
-    }
-  }
-  for (; it <= iters; ++it) {  // the last iters mod R rows, one at a time
-    const T* r0 = x + (i0 + it - 1) * stride;
-    const Packet inv = pset1<Packet>(recip[static_cast<std::size_t>(it)]);
-    for (Index c = 0; c < vec; c += L) {
-      const Packet d = psub(ploadu<Packet>(r0 + c), ploadu<Packet>(pivot + c));
-      Packet mu = ploadu<Packet>(mean + c);
-      const Packet delta = psub(d, mu);
-      mu = pmadd(delta, inv, mu);
-      pstoreu(mean + c, mu);
-      pstoreu(m2 + c, pmadd(delta, psub(d, mu), ploadu<Packet>(m2 + c)));
-    }
   }
 }
 
@@ -931,10 +889,10 @@ void with_register_packets(int np, F&& f) {
 
 /// lane_chunk_in_registers for np packets, 1 <= np <= kRegisterLanePackets.
 template <typename T>
-void lane_chunk_in_registers(int np, const T* x, Index stride, Index i0, Index iters, const T* pivot, T* mean,
-                             T* m2) {
+void lane_chunk_in_registers(int np, const T* x, Index stride, Index i0, Index first, Index iters,
+                             const T* pivot, T* mean, T* m2) {
   with_register_packets(np, [&](auto k) {
-    lane_chunk_in_registers<decltype(k)::value>(x, stride, i0, iters, pivot, mean, m2);
+    lane_chunk_in_registers<decltype(k)::value>(x, stride, i0, first, iters, pivot, mean, m2);
   });
 }
 
@@ -1001,48 +959,44 @@ void lane_chunks_in_memory(const T* x, Index stride, Index count, Index lanes, c
 /// The chunks of lane_moments: rows [0, count) in chunks of kChunk rows (the
 /// last may be shorter); after chunk k, flush(k, rows, mean, m2) receives
 /// each lane's state in T (mean and M2 of the chunk's rows, shifted).
-/// Up to kRegisterLanePackets whole packets of lanes keep their states in
-/// registers down the chunk; wider rows go through lane_rows_in_memory,
-/// four rows per load and store of the states. Either way every lane runs
-/// the recurrence of lane_chunks_in_memory (so the same bits), which takes
-/// fewer lanes than one packet.
+/// Lanes in whole packets keep their states in registers, kRegisterLanePackets
+/// packets (a block) at a time (the same recurrence per lane as
+/// lane_chunks_in_memory, so the same bits); fewer lanes than one packet go
+/// through lane_chunks_in_memory. Rows of one block go down the whole chunk
+/// with their states in registers. Wider rows go a tile of rows at a time
+/// (kLaneTileBytes, at least 4 rows): every block steps through the tile,
+/// then the next tile, so the tile is read once from memory and again from
+/// L1, front to back.
 ///
-/// Wider rows used to go through the registers too, a block of
-/// kRegisterLanePackets packets at a time down the whole chunk: each block
-/// then read a few lines of each of 256 rows, a walk the prefetchers do not
-/// follow, and on inputs read from memory every block waited on it. Measured
-/// on Zen 3 (AVX2, float, 1 thread), lane_moments alone took 0.55x the time
-/// at 32768x512 (64 MB), 0.77x at 100352x64, 0.86-0.95x at 512x2048,
-/// 3136x512 and 50176x256, and the channels-last training forward 0.66-0.81x
-/// at 4096x512 and 32768x512, 0.96-1.0x at 1024x512 and 3136x512 (one row
-/// at a time lost 1.26-1.40x on inputs the caches hold).
+/// Wider rows used to go down the whole chunk one block at a time: each
+/// block read a few lines of each of 256 rows, a walk the prefetchers and
+/// the TLB follow poorly, and on inputs read from memory every block waited
+/// on it. Measured on Zen 3 (AVX2, float, 1 thread), lane_moments took
+/// 0.58-0.71x the time at 4096x512 and 32768x512, 0.82x at 100352x64, 1024x512
+/// and 3136x512, 0.89-0.93x at 50176x256 (tiles of 8 rows of 512 floats,
+/// 16 of 256). Four rows per load and store of states in memory instead
+/// measured 0.80x, 0.84x, 0.88-0.92x and 1.05-1.10x there.
 template <typename T, typename Flush>
 void lane_chunks(const T* x, Index stride, Index count, Index lanes, const T* pivot, Flush&& flush) {
   const auto& recip = detail::reciprocals<T>::table;
   if (lanes <= 0 || count <= 0) return;
   constexpr int LF = simd<T>::L;
   constexpr Index kBlock = Index(kRegisterLanePackets) * LF;
-  if (lanes / LF * LF > kBlock) {
-    // More whole packets than one block of registers: narrow packets four rows
-    // at a time, leftover lanes in scalars (in row order per lane either way).
-    constexpr int LN = narrow_simd<T>::L;
-    const Index vec = lanes / LN * LN;
-    chunked_lane_states<T>(count, lanes, [&](Index i, Index iters, T* mean, T* m2) {
-      lane_rows_in_memory(x, stride, i, iters, pivot, vec, mean, m2);
-      if (vec == lanes) return;
-      for (Index it = 1; it <= iters; ++it)
-        lanes_step_scalar(x + (i + it - 1) * stride, pivot, recip[static_cast<std::size_t>(it)], vec, lanes,
-                          mean, m2);
-    }, flush);
-    return;
-  }
   if (lanes >= LF) {
-    // The whole packets of lanes (at most kRegisterLanePackets) down the
-    // whole chunk with their states in registers. Leftover lanes (lanes mod
-    // LF) run the same recurrence in scalars, in memory.
+    // The whole packets of lanes in blocks of up to kRegisterLanePackets,
+    // with their states in registers, a tile of rows at a time when there
+    // are several blocks. Leftover lanes (lanes mod LF) run the same
+    // recurrence in scalars, in memory.
     const Index full = lanes / LF * LF;
+    const Index tile = full > kBlock ? std::max<Index>(4, kLaneTileBytes / (lanes * Index(sizeof(T)))) : kChunk;
     chunked_lane_states<T>(count, lanes, [&](Index i, Index iters, T* mean, T* m2) {
-      lane_chunk_in_registers(static_cast<int>(full / LF), x, stride, i, iters, pivot, mean, m2);
+      for (Index t = 1; t <= iters; t += tile) {
+        const Index rows = std::min<Index>(tile, iters - t + 1);
+        for (Index c0 = 0; c0 < full; c0 += kBlock) {
+          const int np = static_cast<int>(std::min<Index>(kBlock, full - c0) / LF);
+          lane_chunk_in_registers(np, x + c0, stride, i, t, rows, pivot + c0, mean + c0, m2 + c0);
+        }
+      }
       if (full == lanes) return;
       for (Index it = 1; it <= iters; ++it)
         lanes_step_scalar(x + (i + it - 1) * stride, pivot, recip[static_cast<std::size_t>(it)], full, lanes,
