@@ -964,18 +964,22 @@ void lane_chunks_in_memory(const T* x, Index stride, Index count, Index lanes, c
 /// lane_chunks_in_memory, so the same bits); fewer lanes than one packet go
 /// through lane_chunks_in_memory. Rows of one block go down the whole chunk
 /// with their states in registers. Wider rows go a tile of rows at a time
-/// (kLaneTileBytes, at least 4 rows): every block steps through the tile,
-/// then the next tile, so the tile is read once from memory and again from
-/// L1, front to back.
+/// (kLaneTileBytes, at least 4 rows): every block steps through the tile's
+/// rows, then the next tile. Each row is then read front to back within a
+/// few pages, and each line once (the tile stays in L1).
 ///
 /// Wider rows used to go down the whole chunk one block at a time: each
 /// block read a few lines of each of 256 rows, a walk the prefetchers and
 /// the TLB follow poorly, and on inputs read from memory every block waited
-/// on it. Measured on Zen 3 (AVX2, float, 1 thread), lane_moments took
-/// 0.58-0.71x the time at 4096x512 and 32768x512, 0.82x at 100352x64, 1024x512
-/// and 3136x512, 0.89-0.93x at 50176x256 (tiles of 8 rows of 512 floats,
-/// 16 of 256). Four rows per load and store of states in memory instead
-/// measured 0.80x, 0.84x, 0.88-0.92x and 1.05-1.10x there.
+/// on it. Measured on Zen 3 (AVX2, float, 1 thread, 7 alternating rounds),
+/// lane_moments alone took 0.55x the time at 32768x512 (64 MB), 0.83x at
+/// 4096x512, 0.82-0.85x at 100352x64, 1024x512 and 512x2048, 0.91-0.96x at
+/// 3136x512, 50176x256 and 20000x48; the channels-last training forward at
+/// (N,C) 4096x512 0.64-0.67x in the bench. Four rows per load and store of
+/// states kept in memory (no registers across rows) measured 0.63x, 0.87x,
+/// 0.74-0.91x and 0.76-1.05x on the same shapes: slower than the tiles
+/// except on the narrowest rows, and slower than before at 50176x256.
+/// Not measured with AVX-512 (rows of more than 128 floats take the tiles).
 template <typename T, typename Flush>
 void lane_chunks(const T* x, Index stride, Index count, Index lanes, const T* pivot, Flush&& flush) {
   const auto& recip = detail::reciprocals<T>::table;
