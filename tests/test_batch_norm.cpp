@@ -178,6 +178,44 @@ TYPED_TEST(BatchNormTest, LargeBackwardStreamingSameBitsAsOrdinaryStores) {
   }
 }
 
+// The channels-last backward on an input of at least half of
+// normcore::detail::kStreamingBytes (x; x and dy together at least the whole
+// of it) writes dx with streaming stores in builds without AVX-512, when dx
+// is aligned and its rows are whole packets: the same bits as into a dx one
+// element off alignment (ordinary stores). (N, C) and (N, H, W, C) inputs.
+TYPED_TEST(BatchNormTest, LargeChannelsLastBackwardStreamingSameBitsAsOrdinaryStores) {
+  using T = TypeParam;
+  constexpr Index C = 64;
+  const Index N = normcore::detail::kStreamingBytes / (2 * C * static_cast<Index>(sizeof(T))) / 4 * 4 + 4;
+  const auto total = static_cast<std::size_t>(N * C);
+  BatchNorm<T> bn{BatchNormOptions(C)};
+  randomize(bn, 98);
+  const auto xv = randn<T>(total, 99, 0.5, 2.0), gv = randn<T>(total, 100);
+  std::vector<T, Eigen::aligned_allocator<T>> a(total), b(total + 1);
+  Eigen::Tensor<T, 1> dw, dbias;
+  {
+    Eigen::TensorMap<const Eigen::Tensor<T, 2, Eigen::RowMajor>> x(xv.data(), N, C), dy(gv.data(), N, C);
+    NormStats<T> st;
+    Eigen::Tensor<T, 2, Eigen::RowMajor> y(N, C);
+    bn.forward(x, y, st);
+    Eigen::TensorMap<Eigen::Tensor<T, 2, Eigen::RowMajor>> da(a.data(), N, C), db(b.data() + 1, N, C);
+    bn.backward(x, dy, &da, &dw, &dbias, &st);
+    bn.backward(x, dy, &db, &dw, &dbias, &st);
+    EXPECT_EQ(std::memcmp(a.data(), b.data() + 1, total * sizeof(T)), 0);
+  }
+  {  // channels-last 4-D, without saved statistics (the batch's, recomputed)
+    BatchNorm<T> cl{BatchNormOptions(C).channel_axis(-1)};
+    randomize(cl, 98);
+    const Index Q = N / 4;
+    Eigen::TensorMap<const Eigen::Tensor<T, 4, Eigen::RowMajor>> x(xv.data(), Q, 2, 2, C), dy(gv.data(), Q, 2, 2, C);
+    Eigen::TensorMap<Eigen::Tensor<T, 4, Eigen::RowMajor>> da(a.data(), Q, 2, 2, C), db(b.data() + 1, Q, 2, 2, C);
+    std::fill(a.begin(), a.end(), T(0));
+    cl.backward(x, dy, &da, &dw, &dbias);
+    cl.backward(x, dy, &db, &dw, &dbias);
+    EXPECT_EQ(std::memcmp(a.data(), b.data() + 1, total * sizeof(T)), 0);
+  }
+}
+
 // Channels-last normalize, bit for bit against channels-first in eval mode
 // (the same running statistics, so the same per-channel constants): every
 // loop applies the same fma(x - pivot, scale, shift) per value, whichever

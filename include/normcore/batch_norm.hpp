@@ -837,6 +837,26 @@ class BatchNorm {
   // kStreamingBytes / 2, detail::streaming_backward): the instruction set
   // stands in for the machine, the only hint a header has.
   static constexpr int kSumRows = 4;
+  // Whether the channels-last dx pass takes streaming stores (with the
+  // conditions on dx in backward_impl): builds without AVX-512, on the
+  // row-wise backwards' gate (x of at least kStreamingBytes / 2,
+  // detail::streaming_backward). Measured on Zen 3 (AVX2, float, 1 thread,
+  // the whole backward, two builds of one driver alternating, 7 rounds):
+  // 0.80x the time at (N,C) 4096x512, 0.82-0.87x at 3136x512, 50176x256
+  // and 100352x64, 0.85x at 2560x512 (5 MB); 0.90x at 2048x512 (4 MB) and
+  // 1.05x at 1024x512 (2 MB), which the caches hold between calls. On Zen 4
+  // (AVX-512) an earlier round measured 1.10-1.14x at 32x64x56x56 and
+  // 256x256x14x14 channels-last, hence no streaming there: as for
+  // sum_rows_cached, the instruction set stands in for the machine.
+  static bool dx_streams_channels_last(Index rows, Index C) {
+#if defined(EIGEN_VECTORIZE_AVX512)
+    (void)rows;
+    (void)C;
+    return false;
+#else
+    return detail::streaming_backward<T, T>(rows, C);
+#endif
+  }
   static bool sum_rows_cached(Index rows, Index C) {
 #if defined(EIGEN_VECTORIZE_AVX512)
     return !detail::streaming_input<T, T>(rows, C);
@@ -1014,15 +1034,17 @@ class BatchNorm {
         k3[cc] = k4[cc] = xs[cc] = T(0);
       }
     };
-    // Streaming stores for dx on channels-first inputs of
-    // detail::kStreamingBytes or more, when dx is apart from x and dy,
-    // aligned, and its segments are whole packets. (Channels-last, they
-    // measured 1.10-1.14x the time: 32x64x56x56 and 256x256x14x14.)
+    // Streaming stores for dx when dx is apart from x and dy, aligned, and
+    // its segments (channels-first) or rows (channels-last) are whole
+    // packets: channels-first on inputs of detail::kStreamingBytes or more,
+    // channels-last only without AVX-512 (dx_streams_channels_last).
     const Index total = v.outer * C * v.inner;
-    const bool stream = dx && v.inner > 1 && total * static_cast<Index>(sizeof(T)) >= detail::kStreamingBytes &&
+    const bool stream = dx &&
+                        (v.inner > 1 ? total * static_cast<Index>(sizeof(T)) >= detail::kStreamingBytes &&
+                                           detail::can_stream_rows(dx, v.inner)
+                                     : dx_streams_channels_last(v.outer, C) && detail::can_stream_rows(dx, C)) &&
                         detail::disjoint(x.data(), total, static_cast<const T*>(dx), total) &&
-                        detail::disjoint(dy.data(), total, static_cast<const T*>(dx), total) &&
-                        detail::can_stream_rows(dx, v.inner);
+                        detail::disjoint(dy.data(), total, static_cast<const T*>(dx), total);
     const auto streaming = [&](auto&& body) {
       if (stream) {
         body(std::true_type());
@@ -1084,24 +1106,27 @@ class BatchNorm {
     detail::run_parts(device, split.parts, [&](Index p) {
       const Index s0 = split.begin(p), s1 = split.begin(p + 1);
       if (v.inner == 1) {
-        const DxArgs q = dx_args;  // (in a local: see DxArgs)
-        const Index nc = C;
-        for (Index o = s0; o < s1; ++o) {
-          const T* xr = q.x + o * nc;
-          const T* gr = q.dy + o * nc;
-          T* dr = q.dx + o * nc;
-          Index c = 0;
-          for (; c + L <= nc; c += L) {
-            const Packet d = psub(ploadu<Packet>(xr + c), ploadu<Packet>(q.piv + c));
-            const Packet xh = pmadd(d, ploadu<Packet>(q.rs + c), ploadu<Packet>(q.xs + c));
-            const Packet t = pmadd(xh, ploadu<Packet>(q.k3 + c), ploadu<Packet>(q.k4 + c));
-            pstoreu(dr + c, pmadd(ploadu<Packet>(gr + c), ploadu<Packet>(q.a + c), pnegate(t)));
+        streaming([&](auto stream_dx) {
+          constexpr bool Stream = decltype(stream_dx)::value;
+          const DxArgs q = dx_args;  // (in a local: see DxArgs)
+          const Index nc = C;
+          for (Index o = s0; o < s1; ++o) {
+            const T* xr = q.x + o * nc;
+            const T* gr = q.dy + o * nc;
+            T* dr = q.dx + o * nc;
+            Index c = 0;
+            for (; c + L <= nc; c += L) {
+              const Packet d = psub(ploadu<Packet>(xr + c), ploadu<Packet>(q.piv + c));
+              const Packet xh = pmadd(d, ploadu<Packet>(q.rs + c), ploadu<Packet>(q.xs + c));
+              const Packet t = pmadd(xh, ploadu<Packet>(q.k3 + c), ploadu<Packet>(q.k4 + c));
+              detail::store_packet<Stream>(dr + c, pmadd(ploadu<Packet>(gr + c), ploadu<Packet>(q.a + c), pnegate(t)));
+            }
+            for (; c < nc; ++c) {
+              const T xh = detail::madd(xr[c] - q.piv[c], q.rs[c], q.xs[c]);
+              dr[c] = detail::madd(gr[c], q.a[c], -detail::madd(xh, q.k3[c], q.k4[c]));
+            }
           }
-          for (; c < nc; ++c) {
-            const T xh = detail::madd(xr[c] - q.piv[c], q.rs[c], q.xs[c]);
-            dr[c] = detail::madd(gr[c], q.a[c], -detail::madd(xh, q.k3[c], q.k4[c]));
-          }
-        }
+        });
         return;
       }
       streaming([&](auto stream_dx) {
