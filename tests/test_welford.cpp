@@ -226,13 +226,14 @@ TYPED_TEST(MomentsTest, LaneMomentsMatchTwoPassPerColumn) {
   }
 }
 
-// lane_chunks keeps the states of up to kRegisterLanePackets whole packets of
-// lanes in registers down a chunk, and those of wider rows in memory, four
-// rows per load and store (lane_rows_in_memory), leftover lanes in scalars;
-// lane_chunks_in_memory updates every state in memory row after row. All
-// must give the same bits per column: one block or wider, with and without
-// leftover lanes, chunks whole and partial, row counts that four divides and
-// that it does not.
+// lane_chunks keeps the states of whole packets of lanes in registers,
+// kRegisterLanePackets packets (a block) at a time: one block down the whole
+// chunk, wider rows a tile of rows at a time (kLaneTileBytes), every block
+// through the tile before the next; leftover lanes in scalars.
+// lane_chunks_in_memory updates every state in memory row after row. Both
+// must give the same bits per column: one block or several, with and without
+// leftover lanes, chunks whole and partial, tiles whole and partial (302
+// rows: a last chunk of 46).
 TYPED_TEST(MomentsTest, LaneMomentsSameBitsInRegistersAsInMemory) {
   using T = TypeParam;
   constexpr int L = normcore::detail::simd<T>::L;
