@@ -112,30 +112,41 @@ TYPED_TEST(MomentsTest, RowsMomentsMatchTwoPassAndIgnoreNeighbours) {
   }
 }
 
-// detail::inv_sqrt_eps (LayerNorm's and RMSNorm's rstd, a group of rows per
-// vector sqrt and division): bit for bit the scalar 1 / sqrt(v + eps), which
-// IEEE rounds correctly, for every group size, over the whole exponent range
-// and at the edges (0, subnormal, the largest double, +inf).
+// detail::inv_sqrt_eps and inv_sqrt_mean_eps (LayerNorm's and RMSNorm's
+// rstd, a packet of rows per vector division and sqrt): bit for bit the
+// scalar 1 / sqrt(v + eps) and 1 / sqrt(ss / n + eps), which IEEE rounds
+// correctly, for every count up to two groups and a packet more (whole
+// packets and a partial one), over the whole exponent range and at the
+// edges (0, subnormal, the largest double, +inf), writing nothing past count.
 TEST(InvSqrtEps, CorrectlyRoundedAsTheScalarExpression) {
   std::mt19937_64 gen(11);
   std::uniform_real_distribution<double> expo(-1000.0, 1000.0);
   std::uniform_real_distribution<double> mant(1.0, 2.0);
   const double edges[] = {0.0, 4.9e-324, 1e-310, 2.2250738585072014e-308, 1e-300, 1.0,
                           1.7976931348623157e308, std::numeric_limits<double>::infinity()};
+  const double divisors[] = {1.0, 3.0, 50.0, 768.0, 4097.0};
+  constexpr Index kMost = 2 * normcore::detail::kInvSqrtGroup + 3;
   int mismatches = 0;
-  for (int it = 0; it < 4000; ++it) {
-    const Index count = 1 + it % normcore::detail::kInvSqrtGroup;
+  for (int it = 0; it < 6000; ++it) {
+    const Index count = 1 + it % kMost;
     const double eps = it % 3 == 0 ? 0.0 : (it % 3 == 1 ? 1e-5 : 1e-12);
-    double v[normcore::detail::kInvSqrtGroup];
-    double r[normcore::detail::kInvSqrtGroup + 1];
+    const double n = divisors[(it / 3) % 5];
+    const bool divided = it % 2 == 1;
+    double v[kMost];
+    double r[kMost + 1];
     for (Index i = 0; i < count; ++i)
       v[i] = (it + i) % 7 == 0 ? edges[(it + i) % 8] : std::ldexp(mant(gen), static_cast<int>(expo(gen)));
     r[count] = -7.0;  // nothing past count is written
-    normcore::detail::inv_sqrt_eps(v, eps, count, r);
+    if (divided) {
+      normcore::detail::inv_sqrt_mean_eps(v, n, eps, count, r);
+    } else {
+      normcore::detail::inv_sqrt_eps(v, eps, count, r);
+    }
     for (Index i = 0; i < count; ++i) {
-      const double want = 1.0 / std::sqrt(v[i] + eps);
+      const double want = 1.0 / std::sqrt((divided ? v[i] / n : v[i]) + eps);
       if (std::memcmp(&want, &r[i], sizeof want) != 0 && mismatches++ < 5)
-        ADD_FAILURE() << "v=" << v[i] << " eps=" << eps << ": expected " << want << ", got " << r[i];
+        ADD_FAILURE() << "v=" << v[i] << " n=" << (divided ? n : 1.0) << " eps=" << eps << " count=" << count
+                      << ": expected " << want << ", got " << r[i];
     }
     EXPECT_EQ(r[count], -7.0);
   }

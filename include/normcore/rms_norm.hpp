@@ -325,16 +325,12 @@ class RMSNorm {
   template <typename RowOf>
   void rstd_of_sums(const double* ss, Index n, Index m, RowOf&& row_of, W* r) const {
     if constexpr (std::is_same<W, double>::value) {
-      // The common case, every row's sum in range: one vector sqrt and
-      // division for the group, the same bits as rms_rstd's.
+      // The common case, every row's sum in range: vector divisions and
+      // sqrt for the group, the same bits as rms_rstd's.
       bool plain = true;
-      double ms[kRstdGroup];
-      for (Index i = 0; i < m; ++i) {
-        plain = plain && detail::rms_sum_in_range<T>(ss[i]);
-        ms[i] = ss[i] / static_cast<double>(n);
-      }
+      for (Index i = 0; i < m; ++i) plain = plain && detail::rms_sum_in_range<T>(ss[i]);
       if (plain) {
-        detail::inv_sqrt_eps(ms, eps_, m, r);
+        detail::inv_sqrt_mean_eps(ss, static_cast<double>(n), eps_, m, r);
         return;
       }
     }
@@ -345,18 +341,17 @@ class RMSNorm {
   W rstd_from_sum(const T* x, Index n, double ss) const {
     if constexpr (std::is_same<W, double>::value) {
       if (detail::rms_sum_in_range<T>(ss)) {
-        const double ms = ss / static_cast<double>(n);
         W r;
-        detail::inv_sqrt_eps(&ms, eps_, 1, &r);
+        detail::inv_sqrt_mean_eps(&ss, static_cast<double>(n), eps_, 1, &r);
         return r;
       }
     }
     return detail::rms_rstd(x, n, 1, ss, eps_);
   }
   W row_rstd(const T* xr, Index n) const {
-    W r;
-    rows_rstd(xr, n, 1, &r);
-    return r;
+    W r[kRstdGroup];  // a group's room: GCC cannot tell that one row writes one value
+    rows_rstd(xr, n, 1, r);
+    return r[0];
   }
 
   template <typename Device, typename X, typename Y>
@@ -539,11 +534,13 @@ class RMSNorm {
     const Packet pr = pset1<Packet>(rt);
     Index j = 0;
     if (g) {
-      for (; j + L <= n; j += L)
-        detail::store_packet<Stream>(yr + j, pmul(pmul(src.template packet<Packet>(j), pr), ploadu<Packet>(g + j)));
+      j = detail::for_packets<L>(j, n, [&](Index i) {
+        detail::store_packet<Stream>(yr + i, pmul(pmul(src.template packet<Packet>(i), pr), ploadu<Packet>(g + i)));
+      });
       for (; j < n; ++j) yr[j] = static_cast<Y>(src.value(j) * rt * g[j]);
     } else {
-      for (; j + L <= n; j += L) detail::store_packet<Stream>(yr + j, pmul(src.template packet<Packet>(j), pr));
+      j = detail::for_packets<L>(
+          j, n, [&](Index i) { detail::store_packet<Stream>(yr + i, pmul(src.template packet<Packet>(i), pr)); });
       for (; j < n; ++j) yr[j] = static_cast<Y>(src.value(j) * rt);
     }
   }
