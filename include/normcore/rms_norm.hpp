@@ -348,10 +348,10 @@ class RMSNorm {
     }
     return detail::rms_rstd(x, n, 1, ss, eps_);
   }
-  W row_rstd(const T* xr, Index n) const {
-    W r[kRstdGroup];  // a group's room: GCC cannot tell that one row writes one value
-    rows_rstd(xr, n, 1, r);
-    return r[0];
+  W row_rstd(const T* xr, Index n) const {  // rows_rstd of one row
+    double ss;
+    rows_sum_squares(xr, n, n, 1, &ss);
+    return rstd_from_sum(xr, n, ss);
   }
 
   template <typename Device, typename X, typename Y>
