@@ -64,7 +64,7 @@ inline void inv_sqrt_group(const double* v, double d, double eps, Index count, d
   if (i == count) return;
   alignas(64) double a[LD];
   alignas(64) double out[LD];
-  for (int j = 0; j < LD; ++j) a[j] = i + j < count ? v[i + j] : d;  // padding: 1 / sqrt(1 + eps) or so
+  for (int j = 0; j < LD; ++j) a[j] = i + j < count ? v[i + j] : d;  // padding: d, a finite value
   pstore(out, inv_sqrt(pload<PD>(a)));
   for (int j = 0; i + j < count; ++j) r[i + j] = out[j];
 }
