@@ -115,9 +115,12 @@ TYPED_TEST(MomentsTest, RowsMomentsMatchTwoPassAndIgnoreNeighbours) {
 // detail::inv_sqrt_eps and inv_sqrt_mean_eps (LayerNorm's and RMSNorm's
 // rstd, a packet of rows per vector division and sqrt): bit for bit the
 // scalar 1 / sqrt(v + eps) and 1 / sqrt(ss / n + eps), which IEEE rounds
-// correctly, for every count up to two groups and a packet more (whole
-// packets and a partial one), over the whole exponent range and at the
-// edges (0, subnormal, the largest double, +inf), writing nothing past count.
+// correctly, for every count up to two groups and three more (whole
+// packets and a partial one on every packet width), over the whole exponent
+// range and at the edges (0, subnormal, the largest double, +inf). Input and
+// output are heap buffers of exactly count values (and one guard value
+// after the output), so that the sanitizer builds catch a read or a write
+// past them.
 TEST(InvSqrtEps, CorrectlyRoundedAsTheScalarExpression) {
   std::mt19937_64 gen(11);
   std::uniform_real_distribution<double> expo(-1000.0, 1000.0);
@@ -132,23 +135,23 @@ TEST(InvSqrtEps, CorrectlyRoundedAsTheScalarExpression) {
     const double eps = it % 3 == 0 ? 0.0 : (it % 3 == 1 ? 1e-5 : 1e-12);
     const double n = divisors[(it / 3) % 5];
     const bool divided = it % 2 == 1;
-    double v[kMost];
-    double r[kMost + 1];
+    std::vector<double> v(static_cast<std::size_t>(count));
+    std::vector<double> r(static_cast<std::size_t>(count) + 1, -7.0);  // r[count]: nothing past count is written
     for (Index i = 0; i < count; ++i)
-      v[i] = (it + i) % 7 == 0 ? edges[(it + i) % 8] : std::ldexp(mant(gen), static_cast<int>(expo(gen)));
-    r[count] = -7.0;  // nothing past count is written
+      v[static_cast<std::size_t>(i)] =
+          (it + i) % 7 == 0 ? edges[(it + i) % 8] : std::ldexp(mant(gen), static_cast<int>(expo(gen)));
     if (divided) {
-      normcore::detail::inv_sqrt_mean_eps(v, n, eps, count, r);
+      normcore::detail::inv_sqrt_mean_eps(v.data(), n, eps, count, r.data());
     } else {
-      normcore::detail::inv_sqrt_eps(v, eps, count, r);
+      normcore::detail::inv_sqrt_eps(v.data(), eps, count, r.data());
     }
-    for (Index i = 0; i < count; ++i) {
+    for (std::size_t i = 0; i < static_cast<std::size_t>(count); ++i) {
       const double want = 1.0 / std::sqrt((divided ? v[i] / n : v[i]) + eps);
       if (std::memcmp(&want, &r[i], sizeof want) != 0 && mismatches++ < 5)
         ADD_FAILURE() << "v=" << v[i] << " n=" << (divided ? n : 1.0) << " eps=" << eps << " count=" << count
                       << ": expected " << want << ", got " << r[i];
     }
-    EXPECT_EQ(r[count], -7.0);
+    EXPECT_EQ(r[static_cast<std::size_t>(count)], -7.0);
   }
   EXPECT_EQ(mismatches, 0);
 }

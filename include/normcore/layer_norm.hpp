@@ -602,7 +602,6 @@ class LayerNorm {
   void coeffs_of_rows(RowOf&& row_of, Index n, Index count, const T* pivot, Welford<double>* w,
                            detail::NormCoeffs<T>* k) const {
     const double eps = options_.eps();
-    static_assert(kCoeffGroup <= detail::kInvSqrtGroup, "one inv_sqrt_eps per group");
     double var[kCoeffGroup];
     double r[kCoeffGroup];
     for (Index i = 0; i < count; ++i) {

@@ -311,7 +311,6 @@ class RMSNorm {
   // row_of(i) gives row i as T, asked for only when its sum left T's range.
   template <typename S, typename RowOf>
   void rows_rstd(const S* x, Index n, Index count, W* r, RowOf&& row_of) const {
-    static_assert(kRstdGroup <= detail::kInvSqrtGroup, "one inv_sqrt_eps per group");
     double ss[kRstdGroup];
     for (Index r0 = 0; r0 < count; r0 += kRstdGroup) {
       const Index m = std::min(kRstdGroup, count - r0);

@@ -31,8 +31,8 @@ struct NormCoeffs {
   T shift;
 };
 
-/// Rows per group of the layers' coefficient passes (inv_sqrt_eps takes
-/// any count, a group at a time).
+/// Rows per group of the layers' coefficient passes (coeffs_group, and the
+/// callers of inv_sqrt_eps, which itself takes any count, a packet at a time).
 constexpr Index kInvSqrtGroup = 8;
 
 /// r[i] = 1 / sqrt(v[i] / d + eps) (Div) or 1 / sqrt(v[i] + eps) for
@@ -41,8 +41,9 @@ constexpr Index kInvSqrtGroup = 8;
 /// division and sqrt are correctly rounded, so every r[i] has the same bits
 /// as the scalar expression. The packets are at most 256 bits (narrow_simd):
 /// Eigen's AVX-512 double psqrt is an approximation. Whole packets are read
-/// from v and written to r in place; only a last partial packet goes through
-/// a padded copy. (Copying every group through one, its count known only at
+/// from v and written to r directly; only a last partial packet goes through
+/// a padded copy, whose padding is d (so d must be finite and nonzero, as the
+/// callers' 1 and row lengths are). (Copying every group through one, its count known only at
 /// run time, compiled to `rep movs`, whose start-up cost on Zen 3 made
 /// RMSNorm's forward at 2048x50 take about 1.15x the time.)
 template <bool Div>
@@ -64,7 +65,7 @@ inline void inv_sqrt_group(const double* v, double d, double eps, Index count, d
   if (i == count) return;
   alignas(64) double a[LD];
   alignas(64) double out[LD];
-  for (int j = 0; j < LD; ++j) a[j] = i + j < count ? v[i + j] : d;  // padding: d, a finite value
+  for (int j = 0; j < LD; ++j) a[j] = i + j < count ? v[i + j] : d;  // padding: d / d = 1
   pstore(out, inv_sqrt(pload<PD>(a)));
   for (int j = 0; i + j < count; ++j) r[i + j] = out[j];
 }
@@ -134,6 +135,7 @@ void coeffs_group(const T* pivot, const double* mu, const double* q, Index n, do
   using PD = typename narrow_simd<double>::Packet;  // a correctly rounded psqrt (inv_sqrt_eps)
   constexpr int LD = narrow_simd<double>::L;
   constexpr int G = kInvSqrtGroup;
+  static_assert(G % LD == 0, "a group is whole double packets");
   alignas(64) double vars[G];
   alignas(64) double rs[G];
   const PD one = pset1<PD>(1.0), pe = pset1<PD>(eps), pn = pset1<PD>(static_cast<double>(n));
