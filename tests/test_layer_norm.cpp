@@ -299,6 +299,21 @@ TYPED_TEST(LayerNormTest, InPlaceForwardMatchesOutOfPlaceBitForBit) {
   }
 }
 
+// forward_stream_threshold(): the default is the streaming gate or more (a
+// sixteenth of the L3 the OS reports, when that is more); a set value holds
+// until a negative one restores the default.
+TEST(ForwardStreamThreshold, SetAndRestore) {
+  const Index def = normcore::forward_stream_threshold();
+  EXPECT_GE(def, normcore::detail::kStreamingBytes);
+  EXPECT_GE(def, normcore::detail::l3_cache_bytes() / 16);
+  normcore::set_forward_stream_threshold(12345);
+  EXPECT_EQ(normcore::forward_stream_threshold(), 12345);
+  normcore::set_forward_stream_threshold(0);
+  EXPECT_EQ(normcore::forward_stream_threshold(), 0);
+  normcore::set_forward_stream_threshold(-1);
+  EXPECT_EQ(normcore::forward_stream_threshold(), def);
+}
+
 // Inputs of normcore::detail::kStreamingBytes or more take other forward paths:
 // short rows in groups that prefetch the next group, long rows one at a
 // time. The same bits as the same rows in calls below the threshold (in
@@ -316,6 +331,12 @@ TYPED_TEST(LayerNormTest, InPlaceForwardMatchesOutOfPlaceBitForBit) {
 // (row 3, scaled as in ExtremeRowLeavesItsGroupsBitsAlone: the exact path).
 TYPED_TEST(LayerNormTest, LargeInputForwardSameBitsAsSmallCalls) {
   using T = TypeParam;
+  // Streaming stores from the streaming gate on (the default threshold may
+  // be higher on a machine with a large L3), then, once a case, none.
+  normcore::set_forward_stream_threshold(normcore::detail::kStreamingBytes);
+  struct Restore {
+    ~Restore() { normcore::set_forward_stream_threshold(-1); }
+  } restore;
   struct Case {
     Index n;
     int affine;
@@ -342,6 +363,14 @@ TYPED_TEST(LayerNormTest, LargeInputForwardSameBitsAsSmallCalls) {
     Eigen::Tensor<T, 2, Eigen::RowMajor> y(rows, n);
     NormStats<T> st;
     ln.forward(x, y, st);
+    {
+      normcore::set_forward_stream_threshold(std::numeric_limits<Index>::max());
+      Eigen::Tensor<T, 2, Eigen::RowMajor> ordinary(rows, n);
+      ln.forward(x, ordinary);
+      normcore::set_forward_stream_threshold(normcore::detail::kStreamingBytes);
+      ASSERT_EQ(std::memcmp(ordinary.data(), y.data(), static_cast<std::size_t>(rows * row_bytes)), 0)
+          << "ordinary stores";
+    }
     const Index chunk = normcore::detail::kStreamingBytes / (4 * row_bytes);  // far below the threshold
     ASSERT_LT(chunk * row_bytes, normcore::detail::kStreamingBytes);
     for (Index r0 = 0; r0 < rows; r0 += chunk) {

@@ -187,6 +187,12 @@ TEST(RMSNormErrors, ShapesAndMissingWeight) {
 // as the same rows in calls below the threshold, in place too.
 TYPED_TEST(RMSNormTest, LargeInputForwardSameBitsAsSmallCalls) {
   using T = TypeParam;
+  // Streaming stores from the streaming gate on (the default threshold may
+  // be higher on a machine with a large L3), then, once a case, none.
+  normcore::set_forward_stream_threshold(normcore::detail::kStreamingBytes);
+  struct Restore {
+    ~Restore() { normcore::set_forward_stream_threshold(-1); }
+  } restore;
   for (Index n : {Index(64), Index(1000), Index(1024), Index(1500)}) {
     SCOPED_TRACE(::testing::Message() << "n=" << n);
     const Index row_bytes = n * static_cast<Index>(sizeof(T));
@@ -198,6 +204,14 @@ TYPED_TEST(RMSNormTest, LargeInputForwardSameBitsAsSmallCalls) {
     Eigen::TensorMap<const Eigen::Tensor<T, 2, Eigen::RowMajor>> x(buf.data(), rows, n);
     Eigen::Tensor<T, 2, Eigen::RowMajor> y(rows, n);
     rn.forward(x, y);
+    {
+      normcore::set_forward_stream_threshold(std::numeric_limits<Index>::max());
+      Eigen::Tensor<T, 2, Eigen::RowMajor> ordinary(rows, n);
+      rn.forward(x, ordinary);
+      normcore::set_forward_stream_threshold(normcore::detail::kStreamingBytes);
+      ASSERT_EQ(std::memcmp(ordinary.data(), y.data(), static_cast<std::size_t>(rows * row_bytes)), 0)
+          << "ordinary stores";
+    }
     const Index chunk = 1000;
     ASSERT_LT(chunk * row_bytes, normcore::detail::kStreamingBytes);
     for (Index r0 = 0; r0 < rows; r0 += chunk) {

@@ -336,6 +336,7 @@ class LayerNorm {
     const Index parts = detail::parts_for(device, rows * n, (rows + align - 1) / align, detail::kPartsPerThread);
     const detail::Split split{rows, parts, align};
     const bool streaming = detail::streaming_input<S, T>(rows, n);
+    const bool stream_out = streaming && detail::stream_forward_output(rows * n * static_cast<Index>(sizeof(T)));
     if (xv.row_major) {
       detail::run_parts(device, parts, [&](Index p) {
         if constexpr (!std::is_same<S, T>::value && detail::packet_io<S, L>()) {
@@ -353,7 +354,8 @@ class LayerNorm {
         detail::rows_in_compute_type<T>(xv.data, out, n, split.begin(p), split.begin(p + 1),
                                         [&](const T* xb, T* yb, Index m, Index r0) {
                                           forward_rows(xb, yb, n, m, mean ? mean + r0 : nullptr,
-                                                       rstd ? rstd + r0 : nullptr, prm.gamma, prm.beta, streaming);
+                                                       rstd ? rstd + r0 : nullptr, prm.gamma, prm.beta, streaming,
+                                                       stream_out);
                                         });
       });
     } else if constexpr (std::is_same<S, T>::value) {
@@ -374,7 +376,8 @@ class LayerNorm {
   // normalized (detail::forward_requests), rows of up to 4 KB (and longer
   // ones without bias) take the next row's moments as they are normalized
   // (forward_long_rows, interleave_long_rows), and the output takes
-  // streaming stores when it can (detail::can_stream_rows). Other inputs take a loop
+  // streaming stores when it can (detail::can_stream_rows) and `stream_out`
+  // (the call's input is at least forward_stream_threshold()). Other inputs take a loop
   // that only normalizes (0.91-0.97x the time on short rows without the
   // per-row tests), full groups of short rows with weight and bias a packet
   // column at a time (detail::normalize_group). One long row alone (not
@@ -384,7 +387,7 @@ class LayerNorm {
   // (detail::forward_requests): with gamma and beta, longer rows lost.
   static constexpr Index kRequestMaxRowBytes = 8192;
   void forward_rows(const T* x, T* out, Index n, Index count, T* mean, T* rstd, const T* g,
-                    const T* b, bool streaming = false) const {
+                    const T* b, bool streaming = false, bool stream_out = false) const {
     // One long row (the latency case, as 1x768): the same bits as in a
     // group; a short row keeps the group kernel, whose bits differ. On Zen 3
     // (AVX2) 0.82-0.85x the time at 1x768 in a standalone driver, 0.96x in
@@ -396,7 +399,7 @@ class LayerNorm {
     const Index group =
         detail::forward_group(streaming, n, sizeof(T), kCoeffGroup, detail::kShortMomentsValues<T>);
     detail::CoeffGroup<T> k;
-    const bool stream = streaming && detail::can_stream_rows(x, out, n, count);
+    const bool stream = streaming && stream_out && detail::can_stream_rows(x, out, n, count);
     const bool request = detail::forward_requests(streaming, n, sizeof(T), kRequestMaxRowBytes);
     if (streaming && group == 1 && interleave_long_rows(n, request, g, b)) {
       if (stream) {

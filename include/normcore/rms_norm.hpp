@@ -387,6 +387,7 @@ class RMSNorm {
     const Index parts = detail::parts_for(device, rows * n, (rows + align - 1) / align, detail::kPartsPerThread);
     const detail::Split split{rows, parts, align};
     const bool streaming = detail::streaming_input<S, T>(rows, n);
+    const bool stream_out = streaming && detail::stream_forward_output(rows * n * static_cast<Index>(sizeof(T)));
     if (xv.row_major) {
       detail::run_parts(device, parts, [&](Index p) {
         if constexpr (!std::is_same<S, T>::value && detail::packet_io<S, L>()) {
@@ -400,7 +401,8 @@ class RMSNorm {
         }
         detail::rows_in_compute_type<T>(xv.data, out, n, split.begin(p), split.begin(p + 1),
                                         [&](const T* xb, T* yb, Index m, Index r0) {
-                                          forward_rows(xb, yb, n, m, rsave ? rsave + r0 : nullptr, prm.gamma, streaming);
+                                          forward_rows(xb, yb, n, m, rsave ? rsave + r0 : nullptr, prm.gamma, streaming,
+                                                       stream_out);
                                         });
       });
       return;
@@ -470,15 +472,17 @@ class RMSNorm {
   // of this one is normalized (detail::forward_group, detail::rows_ahead),
   // rows of more than 4 KB request the next row as they are scaled
   // (detail::forward_requests), and the output takes streaming stores when
-  // it can (detail::can_stream_rows), as in LayerNorm's forward; other
+  // it can (detail::can_stream_rows) and `stream_out` (the call's input is
+  // at least forward_stream_threshold()), as in LayerNorm's forward; other
   // inputs take a loop that only scales.
-  void forward_rows(const T* x, T* out, Index n, Index count, T* rsave, const T* g, bool streaming = false) const {
+  void forward_rows(const T* x, T* out, Index n, Index count, T* rsave, const T* g, bool streaming = false,
+                    bool stream_out = false) const {
     constexpr int L = detail::simd<T>::L;
     const bool resident = count * n * static_cast<Index>(sizeof(T)) <= kResidentBytes;
     const Index group = detail::forward_group(streaming, n, sizeof(T), resident ? kResidentGroup : kRstdGroup,
                                               detail::kShortRowPackets * L);
     W rg[kResidentGroup];
-    const bool stream = streaming && detail::can_stream_rows(x, out, n, count);
+    const bool stream = streaming && stream_out && detail::can_stream_rows(x, out, n, count);
     const bool request = detail::forward_requests(streaming, n, sizeof(T), std::numeric_limits<Index>::max());
     for (Index r0 = 0; r0 < count; r0 += group) {
       const Index m = std::min(group, count - r0);

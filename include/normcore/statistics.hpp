@@ -23,6 +23,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cmath>
 #include <cstddef>
 #include <limits>
@@ -31,6 +32,12 @@
 #include <vector>
 
 #include <Eigen/Core>
+
+#if defined(__has_include)
+#if __has_include(<unistd.h>)
+#include <unistd.h>
+#endif
+#endif
 
 #include "normcore/detail/convert.hpp"
 #include "normcore/welford.hpp"
@@ -113,6 +120,33 @@ struct reciprocals {
   static constexpr std::array<T, kChunk + 1> table = make();
 };
 
+/// The simd<double>::L values of T at p as a double packet (each widened
+/// exactly), converted in registers: the lanes' states written to the
+/// stack as doubles in halves and read back as whole packets (as GCC
+/// compiled the element-wise conversion) cannot be forwarded from the
+/// stores, and merge_equal waited for them.
+template <typename T>
+EIGEN_ALWAYS_INLINE typename simd<double>::Packet load_as_double(const T* p) {
+  using PD = typename simd<double>::Packet;
+  if constexpr (std::is_same<T, double>::value) {
+    return Eigen::internal::ploadu<PD>(p);
+  } else {
+#if defined(EIGEN_VECTORIZE_AVX512)
+    return _mm512_cvtps_pd(_mm256_loadu_ps(p));
+#elif defined(EIGEN_VECTORIZE_AVX)
+    return _mm256_cvtps_pd(_mm_loadu_ps(p));
+#elif defined(EIGEN_VECTORIZE_SSE2)
+    return _mm_cvtps_pd(_mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(p))));
+#elif defined(EIGEN_VECTORIZE_NEON) && defined(__aarch64__)
+    return vcvt_f64_f32(vld1_f32(p));
+#else
+    alignas(64) double t[simd<double>::L];
+    for (int i = 0; i < simd<double>::L; ++i) t[i] = static_cast<double>(p[i]);
+    return Eigen::internal::pload<PD>(t);
+#endif
+  }
+}
+
 /// Merges S states of equal count k (T arrays) into one double Welford
 /// state. For equal counts Chan's pairwise tree collapses to a closed form:
 /// mean = average of the means, M2 = sum of M2 + k * sum (mean_i - mean)^2,
@@ -122,35 +156,42 @@ Welford<double> merge_equal(const T* mean, const T* m2, double k) {
   using namespace Eigen::internal;
   using PD = typename simd<double>::Packet;
   constexpr int LD = simd<double>::L;
-  alignas(64) double m[S];
-  alignas(64) double q[S];
-  NORMCORE_UNROLL
-  for (int i = 0; i < S; ++i) {
-    m[i] = static_cast<double>(mean[i]);
-    q[i] = static_cast<double>(m2[i]);
-  }
   double sum = 0, sq = 0, dev = 0;
   if constexpr (S % (2 * LD) == 0) {
+    PD m[S / LD];
+    PD q[S / LD];
+    NORMCORE_UNROLL
+    for (int i = 0; i < S / LD; ++i) {
+      m[i] = load_as_double(mean + i * LD);
+      q[i] = load_as_double(m2 + i * LD);
+    }
     PD s0 = pset1<PD>(0.0), s1 = s0;
     NORMCORE_UNROLL
-    for (int i = 0; i < S; i += 2 * LD) {
-      s0 = padd(s0, pload<PD>(m + i));
-      s1 = padd(s1, pload<PD>(m + i + LD));
+    for (int i = 0; i < S / LD; i += 2) {
+      s0 = padd(s0, m[i]);
+      s1 = padd(s1, m[i + 1]);
     }
     sum = predux(padd(s0, s1));
     const PD mu = pset1<PD>(sum / S);
     PD q0 = pset1<PD>(0.0), q1 = q0, d0 = q0, d1 = q0;
     NORMCORE_UNROLL
-    for (int i = 0; i < S; i += 2 * LD) {
-      q0 = padd(q0, pload<PD>(q + i));
-      q1 = padd(q1, pload<PD>(q + i + LD));
-      const PD e0 = psub(pload<PD>(m + i), mu), e1 = psub(pload<PD>(m + i + LD), mu);
+    for (int i = 0; i < S / LD; i += 2) {
+      q0 = padd(q0, q[i]);
+      q1 = padd(q1, q[i + 1]);
+      const PD e0 = psub(m[i], mu), e1 = psub(m[i + 1], mu);
       d0 = pmadd(e0, e0, d0);
       d1 = pmadd(e1, e1, d1);
     }
     sq = predux(padd(q0, q1));
     dev = predux(padd(d0, d1));
   } else {
+    double m[S];
+    double q[S];
+    NORMCORE_UNROLL
+    for (int i = 0; i < S; ++i) {
+      m[i] = static_cast<double>(mean[i]);
+      q[i] = static_cast<double>(m2[i]);
+    }
     NORMCORE_UNROLL
     for (int i = 0; i < S; ++i) sum += m[i];
     NORMCORE_UNROLL
@@ -338,6 +379,68 @@ constexpr Index kGroupBytes = 16 * 1024;
 /// gate the caches hold the input between calls, and the groups (and no
 /// prefetch) are faster: see forward_group.
 constexpr Index kStreamingBytes = Index(12) << 20;
+
+/// The last-level (L3) cache the OS reports, in bytes, read once
+/// (sysconf(_SC_LEVEL3_CACHE_SIZE) where the C library has it); 0 where it
+/// reports none.
+inline Index l3_cache_bytes() {
+#if defined(_SC_LEVEL3_CACHE_SIZE)
+  static const Index bytes = [] {
+    const long v = sysconf(_SC_LEVEL3_CACHE_SIZE);
+    return v > 0 ? static_cast<Index>(v) : Index(0);
+  }();
+  return bytes;
+#else
+  return 0;
+#endif
+}
+
+/// forward_stream_threshold()'s default: kStreamingBytes, or a sixteenth of
+/// the L3 the OS reports when that is more. A streaming store sends y to
+/// memory; an ordinary one leaves it in the cache, where the next layer
+/// reads it and where, in a loop over one input, the next call finds x.
+/// Which is faster depends on how much of the L3 the call gets. Measured
+/// on an Intel Xeon guest that reports 480 MB of L3 (AVX-512, float, the
+/// same input every call), LayerNorm forward with ordinary stores took
+/// 0.88x the time at 4096x1024 and 6144x1024, 0.99x at 8192x1024, but
+/// 1.47x at 12288x1024 and 1.96x at 4096x4096; RMSNorm 0.78x at
+/// 4096x1024. On Zen 4 (32 MB of L3) streaming stores took 0.77-0.82x the
+/// time at 4096x1024 (see bench/HISTORY.md, the sixth round), and
+/// 32 MB / 16 keeps the gate there at kStreamingBytes.
+inline Index default_forward_stream_bytes() { return std::max<Index>(kStreamingBytes, l3_cache_bytes() / 16); }
+
+/// The setting behind forward_stream_threshold(); negative: the default.
+inline std::atomic<Index>& forward_stream_setting() {
+  static std::atomic<Index> bytes{-1};
+  return bytes;
+}
+
+}  // namespace detail
+
+/// The size of input (bytes, as the compute type) from which the row-wise
+/// forwards (LayerNorm, RMSNorm) write y with streaming (non-temporal)
+/// stores, on x86, when y is aligned to a packet, every row is whole packets
+/// and y does not overlap x. Default: 12 MiB, or a sixteenth of the L3 cache
+/// the OS reports when that is more (detail::default_forward_stream_bytes).
+/// Only where the bits are written from changes, never the bits.
+inline Index forward_stream_threshold() {
+  const Index v = detail::forward_stream_setting().load(std::memory_order_relaxed);
+  return v >= 0 ? v : detail::default_forward_stream_bytes();
+}
+
+/// Sets forward_stream_threshold() for every later call, on every thread (a
+/// negative value restores the default). Set it before the calls, not
+/// while another thread runs one.
+inline void set_forward_stream_threshold(Index bytes) {
+  detail::forward_stream_setting().store(bytes, std::memory_order_relaxed);
+}
+
+namespace detail {
+
+/// Whether a row-wise forward over an input of `bytes` (as the compute
+/// type) writes y with streaming stores where it can (a streaming input,
+/// streaming_input, of at least forward_stream_threshold()).
+inline bool stream_forward_output(Index bytes) { return bytes >= forward_stream_threshold(); }
 
 /// Whether a forward over `rows` rows of n values stored as S (computed in
 /// T) streams: inputs of kStreamingBytes or more, stored in the compute
