@@ -420,7 +420,8 @@ inline std::atomic<Index>& forward_stream_setting() {
 /// The size of input (bytes, as the compute type) from which the row-wise
 /// forwards (LayerNorm, RMSNorm) write y with streaming (non-temporal)
 /// stores, on x86, when y is aligned to a packet, every row is whole packets
-/// and y does not overlap x. Default: 12 MiB, or a sixteenth of the L3 cache
+/// and y does not overlap x. Inputs under detail::kStreamingBytes never
+/// stream, whatever the threshold (the forwards take them to be cached). Default: 12 MiB, or a sixteenth of the L3 cache
 /// the OS reports when that is more (detail::default_forward_stream_bytes).
 /// Only where the bits are written from changes, never the bits.
 inline Index forward_stream_threshold() {
