@@ -306,11 +306,16 @@ TEST(ForwardStreamThreshold, SetAndRestore) {
   const Index def = normcore::forward_stream_threshold();
   EXPECT_GE(def, normcore::detail::kStreamingBytes);
   EXPECT_GE(def, normcore::detail::l3_cache_bytes() / 16);
+  EXPECT_FALSE(normcore::detail::stream_forward_output(def - 1));
+  EXPECT_TRUE(normcore::detail::stream_forward_output(def));
   normcore::set_forward_stream_threshold(12345);
   EXPECT_EQ(normcore::forward_stream_threshold(), 12345);
+  EXPECT_FALSE(normcore::detail::stream_forward_output(12344));
+  EXPECT_TRUE(normcore::detail::stream_forward_output(12345));
   normcore::set_forward_stream_threshold(0);
   EXPECT_EQ(normcore::forward_stream_threshold(), 0);
-  normcore::set_forward_stream_threshold(-1);
+  EXPECT_TRUE(normcore::detail::stream_forward_output(0));
+  normcore::set_forward_stream_threshold(-5);
   EXPECT_EQ(normcore::forward_stream_threshold(), def);
 }
 
@@ -325,8 +330,8 @@ TEST(ForwardStreamThreshold, SetAndRestore) {
 // that are not requested take each row's moments in the loop that
 // normalizes the row before (detail::moments_normalizing; LayerNorm's
 // interleave_long_rows: rows of up to 4 KB, and longer than 8 KB without
-// bias, in builds with 32 vector registers; rows of 2500, over 8 KB with
-// weight and bias, are requested on Intel CPUs only): with weight and bias, weight
+// bias, in builds with 32 vector registers; rows of 2560, over 8 KB with
+// weight and bias and whole packets, are requested on Intel CPUs only): with weight and bias, weight
 // only and neither (affine 2, 1, 0; 500, 3000 and 3001 for double rows; odd
 // lengths for a tail on every ISA), and with a row whose squares overflow T
 // (row 3, scaled as in ExtremeRowLeavesItsGroupsBitsAlone: the exact path).
@@ -334,15 +339,16 @@ TYPED_TEST(LayerNormTest, LargeInputForwardSameBitsAsSmallCalls) {
   using T = TypeParam;
   // Streaming stores from the streaming gate on (the default threshold may
   // be higher on a machine with a large L3), then, once a case, none.
-  normcore::set_forward_stream_threshold(normcore::detail::kStreamingBytes);
   struct Restore {
-    ~Restore() { normcore::set_forward_stream_threshold(-1); }
+    Index saved = normcore::detail::forward_stream_setting().load();
+    ~Restore() { normcore::set_forward_stream_threshold(saved); }
   } restore;
+  normcore::set_forward_stream_threshold(normcore::detail::kStreamingBytes);
   struct Case {
     Index n;
     int affine;
   };
-  for (const Case c : {Case{64, 2}, Case{500, 2}, Case{1001, 2}, Case{1024, 2}, Case{1500, 2}, Case{2500, 2},
+  for (const Case c : {Case{64, 2}, Case{500, 2}, Case{1001, 2}, Case{1024, 2}, Case{1500, 2}, Case{2560, 2},
                        Case{1000, 1}, Case{3000, 1}, Case{1024, 0}, Case{3001, 0}}) {
     const Index n = c.n;
     SCOPED_TRACE(::testing::Message() << "n=" << n << " affine=" << c.affine);

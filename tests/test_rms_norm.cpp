@@ -189,10 +189,11 @@ TYPED_TEST(RMSNormTest, LargeInputForwardSameBitsAsSmallCalls) {
   using T = TypeParam;
   // Streaming stores from the streaming gate on (the default threshold may
   // be higher on a machine with a large L3), then, once a case, none.
-  normcore::set_forward_stream_threshold(normcore::detail::kStreamingBytes);
   struct Restore {
-    ~Restore() { normcore::set_forward_stream_threshold(-1); }
+    Index saved = normcore::detail::forward_stream_setting().load();
+    ~Restore() { normcore::set_forward_stream_threshold(saved); }
   } restore;
+  normcore::set_forward_stream_threshold(normcore::detail::kStreamingBytes);
   for (Index n : {Index(64), Index(1000), Index(1024), Index(1500)}) {
     SCOPED_TRACE(::testing::Message() << "n=" << n);
     const Index row_bytes = n * static_cast<Index>(sizeof(T));

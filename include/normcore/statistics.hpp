@@ -136,7 +136,7 @@ EIGEN_ALWAYS_INLINE typename simd<double>::Packet load_as_double(const T* p) {
 #elif defined(EIGEN_VECTORIZE_AVX)
     return _mm256_cvtps_pd(_mm_loadu_ps(p));
 #elif defined(EIGEN_VECTORIZE_SSE2)
-    return _mm_cvtps_pd(_mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(p))));
+    return _mm_cvtps_pd(_mm_castsi128_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 #elif defined(EIGEN_VECTORIZE_NEON) && defined(__aarch64__)
     return vcvt_f64_f32(vld1_f32(p));
 #else
@@ -417,30 +417,32 @@ inline std::atomic<Index>& forward_stream_setting() {
 
 }  // namespace detail
 
-/// The size of input (bytes, as the compute type) from which the row-wise
-/// forwards (LayerNorm, RMSNorm) write y with streaming (non-temporal)
-/// stores, on x86, when y is aligned to a packet, every row is whole packets
-/// and y does not overlap x. Inputs under detail::kStreamingBytes never
-/// stream, whatever the threshold (the forwards take them to be cached). Default: 12 MiB, or a sixteenth of the L3 cache
-/// the OS reports when that is more (detail::default_forward_stream_bytes).
-/// Only where the bits are written from changes, never the bits.
+/// The size of input (bytes) from which the row-wise forwards (LayerNorm,
+/// RMSNorm) write y with streaming (non-temporal) stores, on x86: inputs
+/// stored as float or double, row-major, when y is aligned to a packet,
+/// every row is whole packets and y does not overlap x. Inputs under
+/// detail::kStreamingBytes (12 MiB) never stream, whatever the threshold
+/// (the forwards take them to be cached). Default: 12 MiB, or a sixteenth
+/// of the L3 cache the OS reports when that is more
+/// (detail::default_forward_stream_bytes). Only where the bits are written
+/// from changes, never the bits.
 inline Index forward_stream_threshold() {
   const Index v = detail::forward_stream_setting().load(std::memory_order_relaxed);
   return v >= 0 ? v : detail::default_forward_stream_bytes();
 }
 
 /// Sets forward_stream_threshold() for every later call, on every thread (a
-/// negative value restores the default). Set it before the calls, not
-/// while another thread runs one.
+/// negative value restores the default). Set it before the calls it is
+/// meant for: a call running meanwhile sees the old value or the new one.
 inline void set_forward_stream_threshold(Index bytes) {
   detail::forward_stream_setting().store(bytes, std::memory_order_relaxed);
 }
 
 namespace detail {
 
-/// Whether a row-wise forward over an input of `bytes` (as the compute
-/// type) writes y with streaming stores where it can (a streaming input,
-/// streaming_input, of at least forward_stream_threshold()).
+/// Whether a row-wise forward over an input of `bytes` writes y with
+/// streaming stores where it can: at least forward_stream_threshold() (the
+/// callers also require a streaming input, streaming_input).
 inline bool stream_forward_output(Index bytes) { return bytes >= forward_stream_threshold(); }
 
 /// Whether a forward over `rows` rows of n values stored as S (computed in
@@ -543,7 +545,8 @@ constexpr Index kRequestRowBytes = 4096;
 /// request_max_row_bytes): the same loop measured 1.12-1.21x the time on
 /// Zen 4 and 0.73-0.77x on an Intel Xeon.
 inline bool intel_cpu() {
-#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__)) && !defined(_MSC_VER)
+  // (Not clang-cl: its __builtin_cpu_is needs compiler-rt's __cpu_model.)
   static const bool intel = [] {
     __builtin_cpu_init();
     return __builtin_cpu_is("intel") != 0;
