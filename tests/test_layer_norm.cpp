@@ -339,11 +339,7 @@ TYPED_TEST(LayerNormTest, LargeInputForwardSameBitsAsSmallCalls) {
   using T = TypeParam;
   // Streaming stores from the streaming gate on (the default threshold may
   // be higher on a machine with a large L3), then, once a case, none.
-  struct Restore {
-    Index saved = normcore::detail::forward_stream_setting().load();
-    ~Restore() { normcore::set_forward_stream_threshold(saved); }
-  } restore;
-  normcore::set_forward_stream_threshold(normcore::detail::kStreamingBytes);
+  const nctest::StreamThreshold streams(normcore::detail::kStreamingBytes);
   struct Case {
     Index n;
     int affine;
@@ -370,14 +366,7 @@ TYPED_TEST(LayerNormTest, LargeInputForwardSameBitsAsSmallCalls) {
     Eigen::Tensor<T, 2, Eigen::RowMajor> y(rows, n);
     NormStats<T> st;
     ln.forward(x, y, st);
-    {
-      normcore::set_forward_stream_threshold(std::numeric_limits<Index>::max());
-      Eigen::Tensor<T, 2, Eigen::RowMajor> ordinary(rows, n);
-      ln.forward(x, ordinary);
-      normcore::set_forward_stream_threshold(normcore::detail::kStreamingBytes);
-      ASSERT_EQ(std::memcmp(ordinary.data(), y.data(), static_cast<std::size_t>(rows * row_bytes)), 0)
-          << "ordinary stores";
-    }
+    ASSERT_TRUE(nctest::same_bits_with_ordinary_stores(ln, x, y));
     const Index chunk = normcore::detail::kStreamingBytes / (4 * row_bytes);  // far below the threshold
     ASSERT_LT(chunk * row_bytes, normcore::detail::kStreamingBytes);
     for (Index r0 = 0; r0 < rows; r0 += chunk) {

@@ -189,11 +189,7 @@ TYPED_TEST(RMSNormTest, LargeInputForwardSameBitsAsSmallCalls) {
   using T = TypeParam;
   // Streaming stores from the streaming gate on (the default threshold may
   // be higher on a machine with a large L3), then, once a case, none.
-  struct Restore {
-    Index saved = normcore::detail::forward_stream_setting().load();
-    ~Restore() { normcore::set_forward_stream_threshold(saved); }
-  } restore;
-  normcore::set_forward_stream_threshold(normcore::detail::kStreamingBytes);
+  const nctest::StreamThreshold streams(normcore::detail::kStreamingBytes);
   for (Index n : {Index(64), Index(1000), Index(1024), Index(1500)}) {
     SCOPED_TRACE(::testing::Message() << "n=" << n);
     const Index row_bytes = n * static_cast<Index>(sizeof(T));
@@ -205,14 +201,7 @@ TYPED_TEST(RMSNormTest, LargeInputForwardSameBitsAsSmallCalls) {
     Eigen::TensorMap<const Eigen::Tensor<T, 2, Eigen::RowMajor>> x(buf.data(), rows, n);
     Eigen::Tensor<T, 2, Eigen::RowMajor> y(rows, n);
     rn.forward(x, y);
-    {
-      normcore::set_forward_stream_threshold(std::numeric_limits<Index>::max());
-      Eigen::Tensor<T, 2, Eigen::RowMajor> ordinary(rows, n);
-      rn.forward(x, ordinary);
-      normcore::set_forward_stream_threshold(normcore::detail::kStreamingBytes);
-      ASSERT_EQ(std::memcmp(ordinary.data(), y.data(), static_cast<std::size_t>(rows * row_bytes)), 0)
-          << "ordinary stores";
-    }
+    ASSERT_TRUE(nctest::same_bits_with_ordinary_stores(rn, x, y));
     const Index chunk = 1000;
     ASSERT_LT(chunk * row_bytes, normcore::detail::kStreamingBytes);
     for (Index r0 = 0; r0 < rows; r0 += chunk) {

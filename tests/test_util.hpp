@@ -142,4 +142,31 @@ void check_large_backward(Index n, Backward&& backward) {
   ASSERT_EQ(std::memcmp(dyw.data(), want.data(), N * sizeof(T)), 0) << "dx over dy";
 }
 
+/// Sets normcore::forward_stream_threshold() for a scope, then puts back the
+/// setting it found (also when an assertion ends the test early).
+class StreamThreshold {
+ public:
+  explicit StreamThreshold(Index bytes) : saved_(normcore::detail::forward_stream_setting().load()) {
+    normcore::set_forward_stream_threshold(bytes);
+  }
+  ~StreamThreshold() { normcore::set_forward_stream_threshold(saved_); }
+  StreamThreshold(const StreamThreshold&) = delete;
+  StreamThreshold& operator=(const StreamThreshold&) = delete;
+
+ private:
+  Index saved_;
+};
+
+/// Whether layer.forward(x) written with ordinary stores only (no streaming
+/// stores at any size) gives the bits of `y`.
+template <typename Layer, typename X, typename Y>
+::testing::AssertionResult same_bits_with_ordinary_stores(const Layer& layer, const X& x, const Y& y) {
+  StreamThreshold never(std::numeric_limits<Index>::max());
+  Y ordinary(y.dimensions());
+  layer.forward(x, ordinary);
+  if (std::memcmp(ordinary.data(), y.data(), static_cast<std::size_t>(y.size()) * sizeof(*y.data())) == 0)
+    return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << "ordinary stores give other bits";
+}
+
 }  // namespace nctest

@@ -377,7 +377,7 @@ class LayerNorm {
   // ones without bias) take the next row's moments as they are normalized
   // (forward_long_rows, interleave_long_rows), and the output takes
   // streaming stores when it can (detail::can_stream_rows) and `stream_out`
-  // (the call's input is at least forward_stream_threshold()). Other inputs take a loop
+  // (a streaming call whose input is at least forward_stream_threshold()). Other inputs take a loop
   // that only normalizes (0.91-0.97x the time on short rows without the
   // per-row tests), full groups of short rows with weight and bias a packet
   // column at a time (detail::normalize_group). One long row alone (not
@@ -408,7 +408,7 @@ class LayerNorm {
     const Index group =
         detail::forward_group(streaming, n, sizeof(T), kCoeffGroup, detail::kShortMomentsValues<T>);
     detail::CoeffGroup<T> k;
-    const bool stream = streaming && stream_out && detail::can_stream_rows(x, out, n, count);
+    const bool stream = stream_out && detail::can_stream_rows(x, out, n, count);
     const bool request = detail::forward_requests(streaming, n, sizeof(T), request_max_row_bytes(g, b));
     if (streaming && group == 1 && interleave_long_rows(n, request, g, b)) {
       if (stream) {

@@ -472,8 +472,8 @@ class RMSNorm {
   // of this one is normalized (detail::forward_group, detail::rows_ahead),
   // rows of more than 4 KB request the next row as they are scaled
   // (detail::forward_requests), and the output takes streaming stores when
-  // it can (detail::can_stream_rows) and `stream_out` (the call's input is
-  // at least forward_stream_threshold()), as in LayerNorm's forward; other
+  // it can (detail::can_stream_rows) and `stream_out` (a streaming call whose
+  // input is at least forward_stream_threshold()), as in LayerNorm's forward; other
   // inputs take a loop that only scales.
   void forward_rows(const T* x, T* out, Index n, Index count, T* rsave, const T* g, bool streaming = false,
                     bool stream_out = false) const {
@@ -482,7 +482,7 @@ class RMSNorm {
     const Index group = detail::forward_group(streaming, n, sizeof(T), resident ? kResidentGroup : kRstdGroup,
                                               detail::kShortRowPackets * L);
     W rg[kResidentGroup];
-    const bool stream = streaming && stream_out && detail::can_stream_rows(x, out, n, count);
+    const bool stream = stream_out && detail::can_stream_rows(x, out, n, count);
     const bool request = detail::forward_requests(streaming, n, sizeof(T), std::numeric_limits<Index>::max());
     for (Index r0 = 0; r0 < count; r0 += group) {
       const Index m = std::min(group, count - r0);
