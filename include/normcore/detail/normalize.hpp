@@ -123,6 +123,29 @@ bool moments_all_fine(const double* mu, const double* q, Index n, double eps) {
   return fine;
 }
 
+#if defined(EIGEN_VECTORIZE_AVX)
+/// coeffs_group's conversions, four values of T (float or double) at a
+/// time: widened exactly, rounded to T (to nearest, as static_cast), and
+/// a - b computed in T, widened.
+inline __m256d avx_load_as_double(const float* p) { return _mm256_cvtps_pd(_mm_loadu_ps(p)); }
+inline __m256d avx_load_as_double(const double* p) { return _mm256_loadu_pd(p); }
+template <typename T>
+inline __m256d avx_round_to(__m256d a) {
+  if constexpr (std::is_same<T, float>::value) return _mm256_cvtps_pd(_mm256_cvtpd_ps(a));
+  else return a;
+}
+template <typename T>
+inline __m256d avx_difference(__m256d a, __m256d b) {  // a, b: values of T
+  if constexpr (std::is_same<T, float>::value) return _mm256_cvtps_pd(_mm_sub_ps(_mm256_cvtpd_ps(a), _mm256_cvtpd_ps(b)));
+  else return _mm256_sub_pd(a, b);
+}
+template <typename T>
+inline void avx_store_as(T* p, __m256d a) {
+  if constexpr (std::is_same<T, float>::value) _mm_storeu_ps(p, _mm256_cvtpd_ps(a));
+  else _mm256_storeu_pd(p, a);
+}
+#endif
+
 /// norm_coeffs_r(pivot[i], mu[i], var, 1 / sqrt(var + eps)) with var =
 /// q[i] / n (Welford<double>::variance), for the kInvSqrtGroup rows of a
 /// group at once: the same operations lane by lane, in loops of fixed
@@ -145,6 +168,34 @@ void coeffs_group(const T* pivot, const double* mu, const double* q, Index n, do
     pstore(vars + i, v);
     pstore(rs + i, pdiv(one, psqrt(padd(v, pe))));
   }
+#if defined(EIGEN_VECTORIZE_AVX)
+  // The loop below in 256-bit double packets, four rows at a time: GCC left
+  // it scalar (about 20 cycles a row on an Intel Xeon at 2048x50, a quarter
+  // of the forward's time). Lane by lane the same IEEE operations.
+  if constexpr (std::is_same<T, float>::value || std::is_same<T, double>::value) {
+    const __m256d sign = _mm256_set1_pd(-0.0), unit = _mm256_set1_pd(1.0), zero = _mm256_setzero_pd();
+    NORMCORE_UNROLL
+    for (int i = 0; i < G; i += 4) {
+      const __m256d var = _mm256_load_pd(vars + i);
+      const __m256d r = _mm256_load_pd(rs + i);
+      const __m256d m = _mm256_loadu_pd(mu + i);
+      const __m256d pv = avx_load_as_double(pivot + i);
+      const __m256d mean = _mm256_add_pd(pv, m);
+      const __m256d kmean = avx_round_to<T>(mean);  // k.mean, as a double
+      const __m256d krstd = avx_round_to<T>(r);
+      // shifted = !(|mean| * r <= 1) || var == 0; unshifted rows get pivot 0.
+      const __m256d small = _mm256_cmp_pd(_mm256_mul_pd(_mm256_andnot_pd(sign, mean), r), unit, _CMP_LE_OQ);
+      const __m256d unshifted = _mm256_andnot_pd(_mm256_cmp_pd(var, zero, _CMP_EQ_OQ), small);
+      const __m256d kpivot = _mm256_andnot_pd(unshifted, kmean);
+      const __m256d rest = _mm256_add_pd(avx_difference<T>(pv, kpivot), m);
+      avx_store_as<T>(k.mean + i, kmean);
+      avx_store_as<T>(k.rstd + i, krstd);
+      avx_store_as<T>(k.pivot + i, kpivot);
+      avx_store_as<T>(k.shift + i, _mm256_mul_pd(rest, krstd));
+    }
+    return;
+  }
+#endif
   NORMCORE_UNROLL
   for (int i = 0; i < G; ++i) {
     const double var = vars[i];
