@@ -344,8 +344,11 @@ TYPED_TEST(LayerNormTest, LargeInputForwardSameBitsAsSmallCalls) {
     Index n;
     int affine;
   };
-  for (const Case c : {Case{64, 2}, Case{500, 2}, Case{1001, 2}, Case{1024, 2}, Case{1500, 2}, Case{2560, 2},
-                       Case{1000, 1}, Case{3000, 1}, Case{1024, 0}, Case{3001, 0}}) {
+  // Rows of 20 and 50 (a tail after the last packet): full groups take the
+  // group normalize (after requesting the next group), rows of 64 a row at
+  // a time.
+  for (const Case c : {Case{20, 2}, Case{50, 2}, Case{64, 2}, Case{500, 2}, Case{1001, 2}, Case{1024, 2},
+                       Case{1500, 2}, Case{2560, 2}, Case{1000, 1}, Case{3000, 1}, Case{1024, 0}, Case{3001, 0}}) {
     const Index n = c.n;
     SCOPED_TRACE(::testing::Message() << "n=" << n << " affine=" << c.affine);
     const Index row_bytes = n * static_cast<Index>(sizeof(T));
@@ -379,6 +382,18 @@ TYPED_TEST(LayerNormTest, LargeInputForwardSameBitsAsSmallCalls) {
           << "rows " << r0 << ".." << r0 + m;
       ASSERT_EQ(std::memcmp(ss.mean.data(), st.mean.data() + r0, static_cast<std::size_t>(m) * sizeof(T)), 0);
       ASSERT_EQ(std::memcmp(ss.rstd.data(), st.rstd.data() + r0, static_cast<std::size_t>(m) * sizeof(T)), 0);
+    }
+    // Rows alone too (on Intel CPUs the chunks above take the streaming
+    // path as well: LayerNorm::intel_streaming): the first two groups, and
+    // rows spread over the rest.
+    for (Index r = 0; r < rows; r += r < 16 ? 1 : 997) {
+      Eigen::TensorMap<const Eigen::Tensor<T, 2, Eigen::RowMajor>> x1(buf.data() + r * n, 1, n);
+      Eigen::Tensor<T, 2, Eigen::RowMajor> y1(1, n);
+      NormStats<T> s1;
+      ln.forward(x1, y1, s1);
+      ASSERT_EQ(std::memcmp(y1.data(), y.data() + r * n, static_cast<std::size_t>(row_bytes)), 0) << "row " << r;
+      ASSERT_EQ(std::memcmp(&s1.mean(0), &st.mean(r), sizeof(T)), 0) << "mean, row " << r;
+      ASSERT_EQ(std::memcmp(&s1.rstd(0), &st.rstd(r), sizeof(T)), 0) << "rstd, row " << r;
     }
     Eigen::TensorMap<Eigen::Tensor<T, 2, Eigen::RowMajor>> inplace(buf.data(), rows, n);
     ln.forward(inplace, inplace);

@@ -335,8 +335,9 @@ class LayerNorm {
     const Index align = xv.row_major ? 1 : L;
     const Index parts = detail::parts_for(device, rows * n, (rows + align - 1) / align, detail::kPartsPerThread);
     const detail::Split split{rows, parts, align};
-    const bool streaming = detail::streaming_input<S, T>(rows, n);
-    const bool stream_out = streaming && detail::stream_forward_output(rows * n * static_cast<Index>(sizeof(T)));
+    const bool large = detail::streaming_input<S, T>(rows, n);
+    const bool streaming = large || intel_streaming<S>(rows, n);
+    const bool stream_out = large && detail::stream_forward_output(rows * n * static_cast<Index>(sizeof(T)));
     if (xv.row_major) {
       detail::run_parts(device, parts, [&](Index p) {
         if constexpr (!std::is_same<S, T>::value && detail::packet_io<S, L>()) {
@@ -369,20 +370,24 @@ class LayerNorm {
   // `count` rows of n contiguous values; mean/rstd (optional) per row.
   // Statistics for a group of rows (up to kCoeffGroup, at most
   // detail::kGroupBytes), then their normalization while the group is
-  // still in L1. On `streaming` inputs (detail::streaming_input) long rows
-  // go one at a time, each row of the next group of short rows is
-  // requested as a row of this one is normalized (detail::forward_group,
-  // detail::rows_ahead), rows of 4-8 KB request the next row as they are
-  // normalized (detail::forward_requests), rows of up to 4 KB (and longer
-  // ones without bias) take the next row's moments as they are normalized
+  // still in L1. On `streaming` inputs (detail::streaming_input, and on
+  // Intel CPUs smaller ones: intel_streaming) long rows go one at a time,
+  // each row of the next group of short rows is requested as a row of this
+  // one is normalized (detail::forward_group, detail::rows_ahead), rows of
+  // 4-8 KB request the next row as they are normalized
+  // (detail::forward_requests), rows of up to 4 KB (and longer ones without
+  // bias) take the next row's moments as they are normalized
   // (forward_long_rows, interleave_long_rows), and the output takes
   // streaming stores when it can (detail::can_stream_rows) and `stream_out`
-  // (a streaming call whose input is at least forward_stream_threshold()). Other inputs take a loop
-  // that only normalizes (0.91-0.97x the time on short rows without the
-  // per-row tests), full groups of short rows with weight and bias a packet
-  // column at a time (detail::normalize_group). One long row alone (not
-  // streaming) skips the group's arrays: forward_long_rows with a count of
-  // one, its coefficients and then its normalize.
+  // (an input of at least detail::kStreamingBytes and at least
+  // forward_stream_threshold()). Other inputs take a loop that only
+  // normalizes (0.91-0.97x the time on short rows without the per-row
+  // tests). Full groups of short rows with weight and bias are normalized a
+  // packet column at a time (detail::normalize_group): on any input without
+  // streaming stores, on streaming ones only rows shorter than four
+  // packets. One long row alone (not streaming) skips the group's arrays:
+  // forward_long_rows with a count of one, its coefficients and then its
+  // normalize.
   // The longest rows whose normalize pass requests the next row
   // (detail::forward_requests): on Zen 4, with gamma and beta, longer rows
   // lost (rows of 4096 and 8192 floats: 1.12-1.21x the time). On an Intel
@@ -392,6 +397,27 @@ class LayerNorm {
   // (detail::intel_cpu) rows with gamma and beta have no limit. (Longer
   // rows without bias keep interleave_long_rows, measured on Zen 4 only.)
   static constexpr Index kRequestMaxRowBytes = 8192;
+  // On Intel CPUs (detail::intel_cpu) forward_rows takes its streaming path
+  // on inputs the caches hold as well (only its streaming stores keep their
+  // gate): rows of float of at least detail::kShortMomentsValues whenever
+  // there are two or more (one row at a time, each row's moments taken
+  // while the row before is normalized), shorter rows from
+  // kIntelShortStreamingBytes (each group requesting the next). Measured
+  // on an Intel Xeon guest (AVX-512, float, the same input every call),
+  // against groups: rows of 768 floats 0.93x the time at 8x768, 0.96x at
+  // 32x768 to 128x768, 0.88-0.92x at 384x768 to 2048x768; 0.86x at
+  // 256x1024, 0.96x at 64x4096. Short rows (with the group normalize below
+  // the streaming gate too): 0.92x at 8192x50, 0.86x at 16384x64, but
+  // 1.05x at 2048x50 (400 KB), hence their gate. One row alone, RMSNorm,
+  // doubles and 16-bit rows: unchanged (RMSNorm lost, 1.09x at 8x768;
+  // doubles were not measured).
+  static constexpr Index kIntelShortStreamingBytes = Index(1) << 20;
+  template <typename S>
+  static bool intel_streaming(Index rows, Index n) {
+    if (!std::is_same<S, float>::value || !std::is_same<T, float>::value || rows < 2 || !detail::intel_cpu())
+      return false;
+    return n >= detail::kShortMomentsValues<T> || rows * n * static_cast<Index>(sizeof(T)) >= kIntelShortStreamingBytes;
+  }
   static Index request_max_row_bytes(const T* g, const T* b) {
     return g && b && detail::intel_cpu() ? std::numeric_limits<Index>::max() : kRequestMaxRowBytes;
   }
@@ -433,6 +459,15 @@ class LayerNorm {
         continue;
       }
       const Index ahead = detail::rows_ahead(streaming, group, count - r0 - m);
+      if (!stream && m == kCoeffGroup && g && b && n < detail::kGroupNormalizeValues<T>) {
+        // Full groups of short rows with weight and bias, ordinary stores:
+        // the group normalize, after requesting the next group. On an Intel
+        // Xeon (AVX-512, float) against a row at a time: 0.65-0.80x the
+        // time on 16 MB of rows of 32 to 60 floats, but 1.07x on rows of
+        // 64 (four whole packets), hence the strict bound.
+        detail::normalize_group_requesting<kCoeffGroup>(x + r0 * n, out + r0 * n, n, k, g, b, ahead);
+        continue;
+      }
       for (Index i = 0; i < m; ++i) {
         if (i < ahead) detail::prefetch_span(x + (r0 + m + i) * n, n * static_cast<Index>(sizeof(T)));
         const detail::RowValues<T> row{x + (r0 + i) * n};
