@@ -180,9 +180,10 @@ TYPED_TEST(BatchNormTest, LargeBackwardStreamingSameBitsAsOrdinaryStores) {
 
 // The channels-last backward on an input of at least half of
 // normcore::detail::kStreamingBytes (x; x and dy together at least the whole
-// of it) writes dx with streaming stores in builds without AVX-512, when dx
-// is aligned and its rows are whole packets: the same bits as into a dx one
-// element off alignment (ordinary stores). (N, C) and (N, H, W, C) inputs.
+// of it) writes dx with streaming stores in builds without AVX-512 and, with
+// AVX-512, on Intel CPUs, when dx is aligned and its rows are whole packets:
+// the same bits as into a dx one element off alignment (ordinary stores).
+// (N, C) and (N, H, W, C) inputs.
 TYPED_TEST(BatchNormTest, LargeChannelsLastBackwardStreamingSameBitsAsOrdinaryStores) {
   using T = TypeParam;
   constexpr Index C = 64;
