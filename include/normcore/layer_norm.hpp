@@ -462,7 +462,7 @@ class LayerNorm {
       if (!stream && m == kCoeffGroup && g && b && n < detail::kGroupNormalizeValues<T>) {
         // Full groups of short rows with weight and bias, ordinary stores:
         // the group normalize, after requesting the next group. On an Intel
-        // Xeon (AVX-512, float) against a row at a time: 0.65-0.80x the
+        // Xeon (AVX-512, float) against a row at a time: 0.65-0.81x the
         // time on 16 MB of rows of 32 to 60 floats, but 1.07x on rows of
         // 64 (four whole packets), hence the strict bound.
         detail::normalize_group_requesting<kCoeffGroup>(x + r0 * n, out + r0 * n, n, k, g, b, ahead);
