@@ -184,8 +184,8 @@ TYPED_TEST(BatchNormTest, LargeBackwardStreamingSameBitsAsOrdinaryStores) {
 // AVX-512, on Intel CPUs, when dx is aligned and its rows are whole packets:
 // the same bits as into a dx one element off alignment (ordinary stores).
 // (N, C) and (N, H, W, C) inputs.
-TYPED_TEST(BatchNormTest, LargeChannelsLastBackwardStreamingSameBitsAsOrdinaryStores) {
-  using T = TypeParam;
+template <typename T>
+void check_large_channels_last_backward_streaming() {
   constexpr Index C = 64;
   const Index N = normcore::detail::kStreamingBytes / (2 * C * static_cast<Index>(sizeof(T))) / 4 * 4 + 4;
   const auto total = static_cast<std::size_t>(N * C);
@@ -214,6 +214,16 @@ TYPED_TEST(BatchNormTest, LargeChannelsLastBackwardStreamingSameBitsAsOrdinarySt
     cl.backward(x, dy, &da, &dw, &dbias);
     cl.backward(x, dy, &db, &dw, &dbias);
     EXPECT_EQ(std::memcmp(a.data(), b.data() + 1, total * sizeof(T)), 0);
+  }
+}
+
+// With both sets of path choices (with AVX-512, dx streams with the Intel
+// ones only: BatchNorm's dx_streams_channels_last).
+TYPED_TEST(BatchNormTest, LargeChannelsLastBackwardStreamingSameBitsAsOrdinaryStores) {
+  for (int tuning : {0, 1}) {
+    const nctest::IntelTuning paths(tuning);
+    SCOPED_TRACE(::testing::Message() << "Intel tuning " << tuning);
+    check_large_channels_last_backward_streaming<TypeParam>();
   }
 }
 

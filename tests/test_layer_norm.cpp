@@ -226,10 +226,15 @@ void check_batch_independence(Index n) {
 TYPED_TEST(LayerNormTest, BatchSizeIndependenceBitForBit) {
   // Around the shortest long row too: one row alone takes its own path
   // from there on (LayerNorm::forward_rows), rows of a batch their groups'.
+  // With both sets of path choices (LayerNorm::intel_streaming).
   constexpr Index kLong = normcore::detail::kShortMomentsValues<TypeParam>;
-  for (Index n : {Index(1), Index(17), Index(64), kLong - 1, kLong, Index(768), Index(1000)}) {
-    check_batch_independence<TypeParam, Eigen::RowMajor>(n);
-    check_batch_independence<TypeParam, Eigen::ColMajor>(n);
+  for (int tuning : {0, 1}) {
+    const nctest::IntelTuning paths(tuning);
+    SCOPED_TRACE(::testing::Message() << "Intel tuning " << tuning);
+    for (Index n : {Index(1), Index(17), Index(64), kLong - 1, kLong, Index(768), Index(1000)}) {
+      check_batch_independence<TypeParam, Eigen::RowMajor>(n);
+      check_batch_independence<TypeParam, Eigen::ColMajor>(n);
+    }
   }
 }
 
@@ -239,8 +244,8 @@ TYPED_TEST(LayerNormTest, BatchSizeIndependenceBitForBit) {
 // otherwise); other rows one at a time. Every row of two full groups and a
 // partial one, out of place and in place, against the same row alone: the
 // same y, mean and rstd, bit for bit, on lengths around the packet size.
-TYPED_TEST(LayerNormTest, GroupNormalizeSameBitsAsRowAlone) {
-  using T = TypeParam;
+template <typename T>
+void check_group_normalize_same_bits_as_row_alone() {
   constexpr Index L = normcore::detail::simd<T>::L;
   const Index rows = 19;
   // Long rows too, from the shortest: a row alone takes its own path there
@@ -272,6 +277,16 @@ TYPED_TEST(LayerNormTest, GroupNormalizeSameBitsAsRowAlone) {
             << "in place, row " << r << " j=" << j;
       }
     }
+  }
+}
+
+// With both sets of path choices: on Intel CPUs (LayerNorm::intel_streaming)
+// the 19 long rows take the streaming path, elsewhere groups.
+TYPED_TEST(LayerNormTest, GroupNormalizeSameBitsAsRowAlone) {
+  for (int tuning : {0, 1}) {
+    const nctest::IntelTuning paths(tuning);
+    SCOPED_TRACE(::testing::Message() << "Intel tuning " << tuning);
+    check_group_normalize_same_bits_as_row_alone<TypeParam>();
   }
 }
 
@@ -322,7 +337,10 @@ TEST(ForwardStreamThreshold, SetAndRestore) {
 // Inputs of normcore::detail::kStreamingBytes or more take other forward paths:
 // short rows in groups that prefetch the next group, long rows one at a
 // time. The same bits as the same rows in calls below the threshold (in
-// groups, without prefetch), for short rows (groups of 8) and long rows
+// groups, without prefetch, with the other CPUs' path choices; with the
+// Intel ones, which take the streaming path below the threshold too, see
+// LayerNorm::intel_streaming, the rows taken alone are the independent
+// check), for short rows (groups of 8) and long rows
 // that leave a tail (groups of 4 below the threshold) or not (rows of 1024,
 // whose output takes streaming stores), and rows of 1500 (float: rows of
 // 4-8 KB, whose normalize pass requests the next row,
@@ -331,12 +349,13 @@ TEST(ForwardStreamThreshold, SetAndRestore) {
 // normalizes the row before (detail::moments_normalizing; LayerNorm's
 // interleave_long_rows: rows of up to 4 KB, and longer than 8 KB without
 // bias, in builds with 32 vector registers; rows of 2560, over 8 KB with
-// weight and bias and whole packets, are requested on Intel CPUs only): with weight and bias, weight
+// weight and bias and whole packets, are requested with the Intel path
+// choices only): with weight and bias, weight
 // only and neither (affine 2, 1, 0; 500, 3000 and 3001 for double rows; odd
 // lengths for a tail on every ISA), and with a row whose squares overflow T
 // (row 3, scaled as in ExtremeRowLeavesItsGroupsBitsAlone: the exact path).
-TYPED_TEST(LayerNormTest, LargeInputForwardSameBitsAsSmallCalls) {
-  using T = TypeParam;
+template <typename T>
+void check_large_input_forward_same_bits_as_small_calls() {
   // Streaming stores from the streaming gate on (the default threshold may
   // be higher on a machine with a large L3), then, once a case, none.
   const nctest::StreamThreshold streams(normcore::detail::kStreamingBytes);
@@ -383,9 +402,9 @@ TYPED_TEST(LayerNormTest, LargeInputForwardSameBitsAsSmallCalls) {
       ASSERT_EQ(std::memcmp(ss.mean.data(), st.mean.data() + r0, static_cast<std::size_t>(m) * sizeof(T)), 0);
       ASSERT_EQ(std::memcmp(ss.rstd.data(), st.rstd.data() + r0, static_cast<std::size_t>(m) * sizeof(T)), 0);
     }
-    // Rows alone too (on Intel CPUs the chunks above take the streaming
-    // path as well: LayerNorm::intel_streaming): the first two groups, and
-    // rows spread over the rest.
+    // Rows alone too (with the Intel path choices the chunks above take the
+    // streaming path as well: LayerNorm::intel_streaming): the first two
+    // groups, and rows spread over the rest.
     for (Index r = 0; r < rows; r += r < 16 ? 1 : 997) {
       Eigen::TensorMap<const Eigen::Tensor<T, 2, Eigen::RowMajor>> x1(buf.data() + r * n, 1, n);
       Eigen::Tensor<T, 2, Eigen::RowMajor> y1(1, n);
@@ -398,6 +417,14 @@ TYPED_TEST(LayerNormTest, LargeInputForwardSameBitsAsSmallCalls) {
     Eigen::TensorMap<Eigen::Tensor<T, 2, Eigen::RowMajor>> inplace(buf.data(), rows, n);
     ln.forward(inplace, inplace);
     ASSERT_EQ(std::memcmp(buf.data(), y.data(), static_cast<std::size_t>(rows * row_bytes)), 0) << "in place";
+  }
+}
+
+TYPED_TEST(LayerNormTest, LargeInputForwardSameBitsAsSmallCalls) {
+  for (int tuning : {0, 1}) {
+    const nctest::IntelTuning paths(tuning);
+    SCOPED_TRACE(::testing::Message() << "Intel tuning " << tuning);
+    check_large_input_forward_same_bits_as_small_calls<TypeParam>();
   }
 }
 

@@ -157,6 +157,22 @@ class StreamThreshold {
   Index saved_;
 };
 
+/// Sets normcore::detail::intel_tuning_setting (0: the other CPUs' path
+/// choices, 1: the Intel ones) for its lifetime, then restores it, so that
+/// a test checks both sets of paths whatever the machine.
+class IntelTuning {
+ public:
+  explicit IntelTuning(int v) : saved_(normcore::detail::intel_tuning_setting().load()) {
+    normcore::detail::intel_tuning_setting().store(v);
+  }
+  ~IntelTuning() { normcore::detail::intel_tuning_setting().store(saved_); }
+  IntelTuning(const IntelTuning&) = delete;
+  IntelTuning& operator=(const IntelTuning&) = delete;
+
+ private:
+  int saved_;
+};
+
 /// Whether layer.forward(x) written with ordinary stores only (no streaming
 /// stores at any size) gives the bits of `y`.
 template <typename Layer, typename X, typename Y>

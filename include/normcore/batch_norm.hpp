@@ -855,7 +855,7 @@ class BatchNorm {
   // gate too.
   static bool dx_streams_channels_last(Index rows, Index C) {
 #if defined(EIGEN_VECTORIZE_AVX512)
-    return detail::intel_cpu() && detail::streaming_backward<T, T>(rows, C);
+    return detail::intel_tuned() && detail::streaming_backward<T, T>(rows, C);
 #else
     return detail::streaming_backward<T, T>(rows, C);
 #endif
@@ -1040,7 +1040,8 @@ class BatchNorm {
     // Streaming stores for dx when dx is apart from x and dy, aligned, and
     // its segments (channels-first) or rows (channels-last) are whole
     // packets: channels-first on inputs of detail::kStreamingBytes or more,
-    // channels-last only without AVX-512 (dx_streams_channels_last).
+    // channels-last without AVX-512, or with it on Intel CPUs
+    // (dx_streams_channels_last).
     const Index total = v.outer * C * v.inner;
     const bool stream = dx &&
                         (v.inner > 1 ? total * static_cast<Index>(sizeof(T)) >= detail::kStreamingBytes &&

@@ -397,29 +397,33 @@ class LayerNorm {
   // (detail::intel_cpu) rows with gamma and beta have no limit. (Longer
   // rows without bias keep interleave_long_rows, measured on Zen 4 only.)
   static constexpr Index kRequestMaxRowBytes = 8192;
-  // On Intel CPUs (detail::intel_cpu) forward_rows takes its streaming path
-  // on inputs the caches hold as well (only its streaming stores keep their
-  // gate): rows of float of at least detail::kShortMomentsValues whenever
-  // there are two or more (one row at a time, each row's moments taken
-  // while the row before is normalized), shorter rows from
-  // kIntelShortStreamingBytes (each group requesting the next). Measured
+  // On Intel CPUs (detail::intel_tuned), in builds with 32 vector
+  // registers (detail::kWideRegisterFile: AVX-512 on x86), forward_rows
+  // takes its streaming path on inputs the caches hold as well (only its
+  // streaming stores keep their gate): rows of float of at least
+  // detail::kShortMomentsValues whenever there are two or more (one row at
+  // a time: each row's moments taken while the row before is normalized,
+  // or, rows of more than 4 KB with weight and bias, the next row requested
+  // as this one is normalized), shorter rows from kIntelShortStreamingBytes
+  // (each group requesting the next). Measured
   // on an Intel Xeon guest (AVX-512, float, the same input every call),
   // against groups: rows of 768 floats 0.93x the time at 8x768, 0.96x at
   // 32x768 to 128x768, 0.88-0.92x at 384x768 to 2048x768; 0.86x at
-  // 256x1024, 0.96x at 64x4096. Short rows (with the group normalize below
-  // the streaming gate too): 0.92x at 8192x50, 0.86x at 16384x64, but
+  // 256x1024, 0.96x at 64x4096. Short rows (with the streaming path's
+  // group normalize): 0.92x at 8192x50, 0.84-0.87x at 16384x64, but
   // 1.05x at 2048x50 (400 KB), hence their gate. One row alone, RMSNorm,
   // doubles and 16-bit rows: unchanged (RMSNorm lost, 1.09x at 8x768;
   // doubles were not measured).
   static constexpr Index kIntelShortStreamingBytes = Index(1) << 20;
   template <typename S>
   static bool intel_streaming(Index rows, Index n) {
-    if (!std::is_same<S, float>::value || !std::is_same<T, float>::value || rows < 2 || !detail::intel_cpu())
+    if (!std::is_same<S, float>::value || !std::is_same<T, float>::value || !detail::kWideRegisterFile ||
+        rows < 2 || !detail::intel_tuned())
       return false;
     return n >= detail::kShortMomentsValues<T> || rows * n * static_cast<Index>(sizeof(T)) >= kIntelShortStreamingBytes;
   }
   static Index request_max_row_bytes(const T* g, const T* b) {
-    return g && b && detail::intel_cpu() ? std::numeric_limits<Index>::max() : kRequestMaxRowBytes;
+    return g && b && detail::intel_tuned() ? std::numeric_limits<Index>::max() : kRequestMaxRowBytes;
   }
   void forward_rows(const T* x, T* out, Index n, Index count, T* mean, T* rstd, const T* g,
                     const T* b, bool streaming = false, bool stream_out = false) const {

@@ -541,9 +541,11 @@ bool prefetch_next_row(Index rows, Index n) {
 constexpr Index kRequestRowBytes = 4096;
 
 /// Whether the CPU is Intel's (x86 builds by GCC or Clang; read once).
-/// LayerNorm's longest requested rows follow it (LayerNorm's
-/// request_max_row_bytes): the same loop measured 1.12-1.21x the time on
-/// Zen 4 and 0.73-0.77x on an Intel Xeon.
+/// Path choices tuned on an Intel Xeon follow it through intel_tuned:
+/// LayerNorm's longest requested rows (request_max_row_bytes: the same loop
+/// measured 1.12-1.21x the time on Zen 4 and 0.73-0.77x on an Intel Xeon),
+/// LayerNorm's streaming path on smaller inputs (intel_streaming) and
+/// BatchNorm's channels-last streaming dx (dx_streams_channels_last).
 inline bool intel_cpu() {
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__)) && !defined(_MSC_VER)
   // (Not clang-cl: its __builtin_cpu_is needs compiler-rt's __cpu_model.)
@@ -555,6 +557,22 @@ inline bool intel_cpu() {
 #else
   return false;
 #endif
+}
+
+/// The setting behind intel_tuned: -1 (the default) follows intel_cpu, 0
+/// takes the other CPUs' path choices, 1 the Intel ones. For the tests,
+/// which check both sets of paths on any machine: a choice of paths, never
+/// of output bits.
+inline std::atomic<int>& intel_tuning_setting() {
+  static std::atomic<int> v{-1};
+  return v;
+}
+
+/// Whether the path choices tuned on Intel CPUs apply (intel_cpu, unless
+/// intel_tuning_setting says otherwise).
+inline bool intel_tuned() {
+  const int v = intel_tuning_setting().load(std::memory_order_relaxed);
+  return v < 0 ? intel_cpu() : v != 0;
 }
 
 inline bool forward_requests(bool streaming, Index n, Index bytes, Index max_row_bytes) {

@@ -173,6 +173,7 @@ void coeffs_group(const T* pivot, const double* mu, const double* q, Index n, do
   // it scalar (about 20 cycles a row on an Intel Xeon at 2048x50, a quarter
   // of the forward's time). Lane by lane the same IEEE operations.
   if constexpr (std::is_same<T, float>::value || std::is_same<T, double>::value) {
+    static_assert(G % 4 == 0, "four rows a packet");
     const __m256d sign = _mm256_set1_pd(-0.0), unit = _mm256_set1_pd(1.0), zero = _mm256_setzero_pd();
     NORMCORE_UNROLL
     for (int i = 0; i < G; i += 4) {
