@@ -1,7 +1,10 @@
 // Devices: every layer on an Eigen::ThreadPoolDevice gives results
 // bit-identical to the calling thread alone, for any number of threads.
 #define EIGEN_USE_THREADS
+#include <atomic>
 #include <cstdint>
+#include <functional>
+#include <memory>
 #include <utility>
 
 #include "test_util.hpp"
@@ -173,6 +176,95 @@ TEST(Threads, BatchNormShortSegmentsMatchChannelsLastAtAnyAlignment) {
   check_short_segments<float>(64, 37, 49, 3);
   check_short_segments<double>(64, 37, 25, 2);
   check_short_segments<float>(160, 29, 9, 2);  // 41760 values: two parts
+}
+
+/// How many times each part ran.
+struct PartCounts {
+  std::unique_ptr<std::atomic<int>[]> n;
+  Index parts;
+  explicit PartCounts(Index p) : n(new std::atomic<int>[static_cast<std::size_t>(p)]), parts(p) {
+    for (Index i = 0; i < p; ++i) n[static_cast<std::size_t>(i)].store(0);
+  }
+  void add(Index p) { n[static_cast<std::size_t>(p)].fetch_add(1); }
+  bool each_once() const {
+    for (Index i = 0; i < parts; ++i)
+      if (n[static_cast<std::size_t>(i)].load() != 1) return false;
+    return true;
+  }
+};
+
+TEST(Threads, RunPartsRunsEveryPartOnce) {
+  // Repeated calls reuse the calling thread's claim state; more parts than
+  // it holds make it grow (its first capacity is 16 parts).
+  const std::pair<int, int> configs[] = {{1, 2}, {3, 4}, {2, 2}};
+  for (const auto& [pool_threads, threads] : configs) {
+    Eigen::ThreadPool pool(pool_threads);
+    Eigen::ThreadPoolDevice dev(&pool, threads);
+    for (Index parts : {2, 3, 7, 16, 17, 40, 5}) {
+      for (int call = 0; call < 50; ++call) {
+        PartCounts c(parts);
+        normcore::detail::run_parts(dev, parts, [&](Index p) { c.add(p); });
+        ASSERT_TRUE(c.each_once()) << threads << " threads, " << parts << " parts, call " << call;
+      }
+    }
+  }
+}
+
+TEST(Threads, RunPartsNestedInAPart) {
+  // A part that splits again on the same device, from the calling thread or
+  // a pool thread: the inner call gets a claim state of its own.
+  Eigen::ThreadPool pool(2);
+  Eigen::ThreadPoolDevice dev(&pool, 3);
+  for (int call = 0; call < 20; ++call) {
+    PartCounts outer(6);
+    std::vector<std::unique_ptr<PartCounts>> inner;
+    for (int i = 0; i < 6; ++i) inner.push_back(std::make_unique<PartCounts>(5));
+    normcore::detail::run_parts(dev, 6, [&](Index p) {
+      outer.add(p);
+      normcore::detail::run_parts(dev, 5, [&](Index q) { inner[static_cast<std::size_t>(p)]->add(q); });
+    });
+    ASSERT_TRUE(outer.each_once()) << call;
+    for (const auto& c : inner) ASSERT_TRUE(c->each_once()) << call;
+  }
+}
+
+/// A device whose tasks run only when the test says so: they wake after the
+/// call that enqueued them has returned, as a pool thread may on a busy
+/// machine.
+struct LateDevice {
+  int threads;
+  mutable std::vector<std::function<void()>> tasks;
+  int numThreads() const { return threads; }
+  template <typename F>
+  void enqueueNoNotification(F&& f) const {
+    tasks.emplace_back(std::forward<F>(f));
+  }
+  void run_late() {
+    auto t = std::move(tasks);
+    tasks.clear();
+    for (auto& f : t) f();
+  }
+};
+
+TEST(Threads, RunPartsTasksThatWakeLate) {
+  // The calling thread runs every part; the late tasks then find nothing to
+  // claim and only let go of their claim state, which a call made while
+  // they were pending must not have reused (AddressSanitizer checks the
+  // frees in CI).
+  LateDevice dev{3, {}};
+  for (int round = 0; round < 3; ++round) {
+    PartCounts a(9);
+    normcore::detail::run_parts(dev, 9, [&](Index p) { a.add(p); });
+    EXPECT_TRUE(a.each_once());
+    EXPECT_EQ(dev.tasks.size(), 2u);
+    PartCounts b(4);  // while the first call's tasks are pending
+    normcore::detail::run_parts(dev, 4, [&](Index p) { b.add(p); });
+    EXPECT_TRUE(b.each_once());
+    EXPECT_EQ(dev.tasks.size(), 4u);
+    dev.run_late();
+    EXPECT_TRUE(a.each_once());
+    EXPECT_TRUE(b.each_once());
+  }
 }
 
 }  // namespace

@@ -20,7 +20,8 @@
 // statistics) are summed over fixed blocks of rows in a fixed order, so
 // every result is bit-identical for any number of threads. The calling
 // thread, out of parts to claim, spins briefly for the running ones before
-// it sleeps (Latch::wait).
+// it sleeps (PartClaims::wait). A call allocates nothing once its thread has
+// made one (PartClaims).
 #pragma once
 
 #include <algorithm>
@@ -72,37 +73,10 @@ inline void cpu_relax() {
 }
 
 /// How long the calling thread, out of parts to claim, spins for the parts
-/// still running before it sleeps. Waking a sleeping thread took 40-150
+/// still running before it sleeps (PartClaims::wait). Waking a sleeping thread took 40-150
 /// microseconds on this project's VM: longer than the usual wait, one part
 /// on a pool thread (a few to tens of microseconds).
 constexpr std::chrono::microseconds kSpinWait{500};
-
-class Latch {
- public:
-  explicit Latch(int n) : n_(n) {}
-  void count_down() {
-    if (n_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
-      std::lock_guard<std::mutex> lk(mu_);  // orders the notify after a waiter's check
-      cv_.notify_all();
-    }
-  }
-  void wait() {
-    if (n_.load(std::memory_order_acquire) == 0) return;
-    const auto until = std::chrono::steady_clock::now() + kSpinWait;
-    for (int polls = 1;; ++polls) {
-      cpu_relax();
-      if (n_.load(std::memory_order_acquire) == 0) return;
-      if (polls % 64 == 0 && std::chrono::steady_clock::now() >= until) break;
-    }
-    std::unique_lock<std::mutex> lk(mu_);
-    cv_.wait(lk, [&] { return n_.load(std::memory_order_acquire) == 0; });
-  }
-
- private:
-  std::atomic<int> n_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-};
 
 /// Parts per thread for row splits: the threads claim parts as they come
 /// free (run_parts), so a thread that starts late or is descheduled for a
@@ -120,6 +94,130 @@ Index parts_for(const Device& d, Index work, Index max_parts, Index per_thread =
   return std::max<Index>(1, std::min<Index>({most, by_size, max_parts}));
 }
 
+/// The claim state of one run_parts call, shared by the calling thread and
+/// the tasks it enqueues, and counted by hand (refs) so that a task is two
+/// words: it then fits in std::function's own storage, and enqueueing it
+/// allocates nothing. Each calling thread keeps one in a thread-local slot
+/// and reuses it when nothing else holds it; a task that wakes late still
+/// holds its reference, and the next call then takes a new state.
+class PartClaims {
+ public:
+  using Call = void (*)(void*, Index);
+
+  /// The state for a call of `parts` parts that enqueues `tasks` tasks:
+  /// this thread's cached one when no task still holds it, else a new one
+  /// for the slot (the old one goes when its last task lets go). A call made
+  /// from inside a part on this thread (a part that splits again) finds the
+  /// slot's state busy and gets one of its own instead, which done()
+  /// releases. References: the slot's (or the one-off call's) and one per
+  /// task.
+  static PartClaims* acquire(Index parts, Index tasks) {
+    PartClaims*& slot = cached();
+    PartClaims* c;
+    if (slot && slot->busy_) {
+      c = new PartClaims(parts);
+      c->one_off_ = true;
+    } else {
+      if (!slot || slot->refs_.load(std::memory_order_acquire) != 1 || slot->capacity_ < parts) {
+        if (slot) slot->release();
+        slot = new PartClaims(std::max<Index>(parts, 16));
+      }
+      c = slot;
+      c->busy_ = true;
+    }
+    c->refs_.store(static_cast<int>(1 + tasks), std::memory_order_relaxed);  // no other holder now
+    for (Index p = 0; p < parts; ++p) c->taken_[static_cast<std::size_t>(p)].store(false, std::memory_order_relaxed);
+    c->left_.store(static_cast<int>(parts), std::memory_order_relaxed);
+    return c;
+  }
+
+  /// The end of the call that acquired this state, on the same thread.
+  void done() {
+    if (one_off_) {
+      release();
+    } else {
+      busy_ = false;
+    }
+  }
+
+  /// A task's (or the slot's) reference; the last one deletes the state.
+  void release() {
+    if (refs_.fetch_sub(1, std::memory_order_acq_rel) == 1) delete this;
+  }
+
+  /// The caller's function and split, set before any task is enqueued.
+  void set(void* fn, Call call, Index parts, Index threads) {
+    fn_ = fn;
+    call_ = call;
+    parts_ = parts;
+    threads_ = threads;
+  }
+
+  /// Thread t's home block [t * parts / T, (t + 1) * parts / T) in order,
+  /// then the rest from the last part back. fn is called only for a
+  /// claimed part: it is alive while a part is unfinished (the caller waits
+  /// for all).
+  void work(Index t) {
+    const Index b = t * parts_ / threads_, e = (t + 1) * parts_ / threads_;
+    for (Index p = b; p < e; ++p) run(p);
+    for (Index p = parts_ - 1; p >= 0; --p)
+      if (p < b || p >= e) run(p);
+  }
+
+  /// Returns once every part has run: spins briefly (kSpinWait), then sleeps.
+  void wait() {
+    if (left_.load(std::memory_order_acquire) == 0) return;
+    const auto until = std::chrono::steady_clock::now() + kSpinWait;
+    for (int polls = 1;; ++polls) {
+      cpu_relax();
+      if (left_.load(std::memory_order_acquire) == 0) return;
+      if (polls % 64 == 0 && std::chrono::steady_clock::now() >= until) break;
+    }
+    std::unique_lock<std::mutex> lk(mu_);
+    cv_.wait(lk, [&] { return left_.load(std::memory_order_acquire) == 0; });
+  }
+
+ private:
+  explicit PartClaims(Index capacity)
+      : capacity_(capacity), taken_(new std::atomic<bool>[static_cast<std::size_t>(capacity)]) {}
+
+  static PartClaims*& cached() {
+    struct Slot {
+      PartClaims* p = nullptr;
+      ~Slot() {
+        if (p) p->release();
+      }
+    };
+    thread_local Slot slot;
+    return slot.p;
+  }
+
+  void run(Index p) {
+    std::atomic<bool>& t = taken_[static_cast<std::size_t>(p)];
+    if (t.load(std::memory_order_relaxed) || t.exchange(true, std::memory_order_acq_rel)) return;
+    call_(fn_, p);
+    if (left_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+      std::lock_guard<std::mutex> lk(mu_);  // orders the notify after a waiter's check
+      cv_.notify_all();
+    }
+  }
+
+  // What a call reads (set before its tasks are enqueued), then what it
+  // counts, each on a cache line of its own.
+  alignas(64) void* fn_ = nullptr;
+  Call call_ = nullptr;
+  Index parts_ = 0;
+  Index threads_ = 1;
+  Index capacity_;
+  bool busy_ = false;     // a call on the slot's thread is using it (only that thread reads it)
+  bool one_off_ = false;  // not in a slot: the call's own
+  std::unique_ptr<std::atomic<bool>[]> taken_;
+  alignas(64) std::atomic<int> refs_{0};
+  alignas(64) std::atomic<int> left_{0};
+  alignas(64) std::mutex mu_;
+  std::condition_variable cv_;
+};
+
 /// Runs fn(part) for part = 0..parts-1 and returns when all are done. Of T
 /// threads (the calling one and up to numThreads()-1 tasks on the device's
 /// threads), thread t has a home block of parts starting at t * parts / T:
@@ -134,7 +232,7 @@ Index parts_for(const Device& d, Index work, Index max_parts, Index per_thread =
 /// claimed in one shared order). Which thread runs a part does not matter
 /// to the result, so results stay bit-identical. A task that wakes after
 /// every part was claimed returns at once: it touches only the shared claim
-/// state, which it co-owns.
+/// state (PartClaims), which it co-owns.
 template <typename Device, typename F>
 void run_parts(const Device& d, Index parts, F&& fn) {
   if constexpr (std::is_same<Device, Serial>::value) {
@@ -145,40 +243,19 @@ void run_parts(const Device& d, Index parts, F&& fn) {
       return;
     }
     using Fn = std::remove_reference_t<F>;
-    struct Claims {
-      std::unique_ptr<std::atomic<bool>[]> taken;
-      Latch done;
-      explicit Claims(Index n)
-          : taken(new std::atomic<bool>[static_cast<std::size_t>(n)]), done(static_cast<int>(n)) {
-        for (Index p = 0; p < n; ++p) taken[static_cast<std::size_t>(p)].store(false, std::memory_order_relaxed);
-      }
-      bool claim(Index p) {
-        std::atomic<bool>& t = taken[static_cast<std::size_t>(p)];
-        return !t.load(std::memory_order_relaxed) && !t.exchange(true, std::memory_order_acq_rel);
-      }
-      // The home block [b, e) in order, then the rest from the last part back.
-      // fn is dereferenced only for a claimed part: fn is alive while a part
-      // is unfinished (the caller waits for all).
-      void work(Fn* fn, Index parts, Index b, Index e) {
-        for (Index p = b; p < e; ++p) run(fn, p);
-        for (Index p = parts - 1; p >= 0; --p)
-          if (p < b || p >= e) run(fn, p);
-      }
-      void run(Fn* fn, Index p) {
-        if (!claim(p)) return;
-        (*fn)(p);
-        done.count_down();
-      }
-    };
-    auto claims = std::make_shared<Claims>(parts);
-    Fn* f = &fn;
     const Index threads = std::min<Index>(parts, static_cast<Index>(d.numThreads()));
+    PartClaims* c = PartClaims::acquire(parts, threads - 1);
+    c->set(const_cast<void*>(static_cast<const void*>(&fn)),
+           [](void* f, Index p) { (*static_cast<Fn*>(f))(p); }, parts, threads);
     for (Index t = 1; t < threads; ++t) {
-      const Index b = t * parts / threads, e = (t + 1) * parts / threads;
-      d.enqueueNoNotification([claims, f, parts, b, e] { claims->work(f, parts, b, e); });
+      d.enqueueNoNotification([c, t] {
+        c->work(t);
+        c->release();
+      });
     }
-    claims->work(f, parts, 0, parts / threads);
-    claims->done.wait();
+    c->work(0);
+    c->wait();
+    c->done();
   }
 }
 
