@@ -455,6 +455,10 @@ class LayerNorm {
       }
       return;
     }
+    if (!streaming && n > 0 && n < detail::kShortMomentsValues<T> && group == kCoeffGroup && count > kCoeffGroup) {
+      forward_short_pipelined(x, out, n, count, mean, rstd, g, b);
+      return;
+    }
     for (Index r0 = 0; r0 < count; r0 += group) {
       const Index m = std::min(group, count - r0);
       row_coeffs(x + r0 * n, n, m, k);
@@ -497,6 +501,48 @@ class LayerNorm {
       }
     }
     if (stream) detail::stream_fence();
+  }
+
+  // Short rows of a cached input, software-pipelined: the moments of group
+  // j + 1 are taken between the coefficients of group j (two divisions and
+  // a square root per four rows, long latency) and its normalize, so the
+  // out-of-order core runs them side by side instead of the normalize
+  // waiting for the divider. The same functions on the same rows, so the
+  // same bits as row_coeffs then the normalize, a group at a time. On an
+  // Intel Xeon (AVX-512, float, weight and bias) against that loop: 0.84x
+  // the time at 2048x50, 0.86-0.88x at 2048x64, 0.88-0.90x at 1024x100,
+  // 0.95x at 512x256, 0.87-0.89x at 16x50 and 9x30. (Normalizing group
+  // j - 1 after the coefficients of group j instead took 0.98-1.04x.)
+  void forward_short_pipelined(const T* x, T* out, Index n, Index count, T* mean, T* rstd, const T* g,
+                               const T* b) const {
+    constexpr Index G = kCoeffGroup;
+    alignas(64) double mu[2][G];
+    alignas(64) double q[2][G];
+    alignas(64) T pivot[2][G];
+    detail::CoeffGroup<T> k;
+    const auto moments = [&](Index r0, int s) {
+      const Index m = std::min(G, count - r0);
+      detail::short_rows_moments_split<G>(x + r0 * n, n, n, m, mu[s], q[s]);
+      for (Index i = 0; i < m; ++i) pivot[s][i] = x[(r0 + i) * n];
+      for (Index i = m; i < G; ++i) pivot[s][i] = pivot[s][m - 1];
+    };
+    moments(0, 0);
+    int s = 0;
+    for (Index r0 = 0; r0 < count; r0 += G, s ^= 1) {
+      const Index m = std::min(G, count - r0);
+      const bool fine = detail::moments_all_fine<T>(mu[s], q[s], n, options_.eps());
+      if (fine) detail::coeffs_group(pivot[s], mu[s], q[s], n, options_.eps(), k);
+      if (r0 + G < count) moments(r0 + G, s ^ 1);
+      if (!fine) row_coeffs(x + r0 * n, n, m, k);
+      if (mean) std::copy(k.mean, k.mean + m, mean + r0);
+      if (rstd) std::copy(k.rstd, k.rstd + m, rstd + r0);
+      if (m == G && g && b && n <= detail::kGroupNormalizeValues<T>) {
+        detail::normalize_group<G>(x + r0 * n, out + r0 * n, n, k, g, b);
+      } else {
+        for (Index i = 0; i < m; ++i)
+          detail::normalize_values(detail::RowValues<T>{x + (r0 + i) * n}, out + (r0 + i) * n, n, k[i], g, b);
+      }
+    }
   }
 
   // forward_rows' long rows of a streaming input (one-row groups), and one
