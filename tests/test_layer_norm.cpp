@@ -363,9 +363,10 @@ void check_large_input_forward_same_bits_as_small_calls() {
     Index n;
     int affine;
   };
-  // Rows of 20 and 50 (a tail after the last packet): full groups take the
-  // group normalize (after requesting the next group), rows of 64 a row at
-  // a time.
+  // Rows of 20, 50 (a tail after the last packet) and 64: with ordinary
+  // stores the software-pipelined groups (forward_short_pipelined, requests
+  // two groups ahead), with streaming stores a row at a time; the huge row
+  // 3 leaves the group path.
   for (const Case c : {Case{20, 2}, Case{50, 2}, Case{64, 2}, Case{500, 2}, Case{1001, 2}, Case{1024, 2},
                        Case{1500, 2}, Case{2560, 2}, Case{1000, 1}, Case{3000, 1}, Case{1024, 0}, Case{3001, 0}}) {
     const Index n = c.n;
