@@ -2,7 +2,10 @@
 // bit-identical to the calling thread alone, for any number of threads.
 #define EIGEN_USE_THREADS
 #include <atomic>
+#include <chrono>
 #include <cstdint>
+#include <stdexcept>
+#include <thread>
 #include <functional>
 #include <memory>
 #include <utility>
@@ -265,6 +268,54 @@ TEST(Threads, RunPartsTasksThatWakeLate) {
     EXPECT_TRUE(a.each_once());
     EXPECT_TRUE(b.each_once());
   }
+}
+
+TEST(Threads, RunPartsExceptionOnTheCallingThread) {
+  // A part that throws on the calling thread: the parts not started never
+  // start, the running ones finish before the exception leaves run_parts,
+  // and the next call on the thread works.
+  {
+    LateDevice dev{3, {}};
+    PartCounts c(9);
+    EXPECT_THROW(normcore::detail::run_parts(dev, 9,
+                                             [&](Index p) {
+                                               c.add(p);
+                                               if (p == 1) throw std::runtime_error("part 1");
+                                             }),
+                 std::runtime_error);
+    dev.run_late();  // the tasks find every part taken
+    for (Index p = 0; p < 9; ++p) EXPECT_EQ(c.n[static_cast<std::size_t>(p)].load(), p <= 1 ? 1 : 0) << p;
+    PartCounts d(5);
+    normcore::detail::run_parts(dev, 5, [&](Index p) { d.add(p); });
+    EXPECT_TRUE(d.each_once());
+    dev.run_late();
+  }
+  Eigen::ThreadPool pool(1);
+  Eigen::ThreadPoolDevice dev(&pool, 2);
+  const auto caller = std::this_thread::get_id();
+  for (int call = 0; call < 20; ++call) {
+    std::atomic<int> running{0}, after{0};
+    std::atomic<bool> left{false};
+    PartCounts c(8);
+    EXPECT_THROW(normcore::detail::run_parts(dev, 8,
+                                             [&](Index p) {
+                                               c.add(p);
+                                               if (std::this_thread::get_id() == caller && p == 0)
+                                                 throw std::runtime_error("part 0");
+                                               running.fetch_add(1);
+                                               std::this_thread::sleep_for(std::chrono::microseconds(200));
+                                               if (left.load()) after.fetch_add(1);
+                                               running.fetch_sub(1);
+                                             }),
+                 std::runtime_error);
+    left.store(true);
+    EXPECT_EQ(running.load(), 0) << call;
+    EXPECT_EQ(after.load(), 0) << call;
+    for (Index p = 0; p < 8; ++p) EXPECT_LE(c.n[static_cast<std::size_t>(p)].load(), 1) << p;
+  }
+  PartCounts d(8);
+  normcore::detail::run_parts(dev, 8, [&](Index p) { d.add(p); });
+  EXPECT_TRUE(d.each_once());
 }
 
 }  // namespace

@@ -28,6 +28,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <exception>
 #include <memory>
 #include <mutex>
 #include <type_traits>
@@ -164,6 +165,13 @@ class PartClaims {
       if (p < b || p >= e) run(p);
   }
 
+  /// After an exception from a part on the calling thread: claims every part
+  /// not started yet, so that none starts, and counts it as finished.
+  void abandon() {
+    for (Index p = 0; p < parts_; ++p)
+      if (claim(p)) finish_one();
+  }
+
   /// Returns once every part has run: spins briefly (kSpinWait), then sleeps.
   void wait() {
     if (left_.load(std::memory_order_acquire) == 0) return;
@@ -192,14 +200,23 @@ class PartClaims {
     return slot.p;
   }
 
-  void run(Index p) {
+  bool claim(Index p) {
     std::atomic<bool>& t = taken_[static_cast<std::size_t>(p)];
-    if (t.load(std::memory_order_relaxed) || t.exchange(true, std::memory_order_acq_rel)) return;
-    call_(fn_, p);
+    return !t.load(std::memory_order_relaxed) && !t.exchange(true, std::memory_order_acq_rel);
+  }
+  void finish_one() {
     if (left_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
       std::lock_guard<std::mutex> lk(mu_);  // orders the notify after a waiter's check
       cv_.notify_all();
     }
+  }
+  void run(Index p) {
+    if (!claim(p)) return;
+    struct Finish {  // a part that throws is finished too
+      PartClaims* c;
+      ~Finish() { c->finish_one(); }
+    } finish{this};
+    call_(fn_, p);
   }
 
   // What a call reads (set before its tasks are enqueued), then what it
@@ -253,9 +270,20 @@ void run_parts(const Device& d, Index parts, F&& fn) {
         c->release();
       });
     }
+    // The end of the call on every way out. An exception from a part on this
+    // thread (fn must not throw on the device's threads) abandons the parts
+    // not started and waits for the running ones, so that no part runs on
+    // fn once the exception has left: fn may be gone then.
+    struct End {
+      PartClaims* c;
+      int unwinding;
+      ~End() {
+        if (std::uncaught_exceptions() > unwinding) c->abandon();
+        c->wait();
+        c->done();
+      }
+    } end{c, std::uncaught_exceptions()};
     c->work(0);
-    c->wait();
-    c->done();
   }
 }
 
