@@ -120,8 +120,9 @@ class PartClaims {
       c->one_off_ = true;
     } else {
       if (!slot || slot->refs_.load(std::memory_order_acquire) != 1 || slot->capacity_ < parts) {
+        PartClaims* fresh = new PartClaims(std::max<Index>(parts, 16));  // first: it may throw
         if (slot) slot->release();
-        slot = new PartClaims(std::max<Index>(parts, 16));
+        slot = fresh;
       }
       c = slot;
       c->busy_ = true;
@@ -194,6 +195,7 @@ class PartClaims {
       PartClaims* p = nullptr;
       ~Slot() {
         if (p) p->release();
+        p = nullptr;
       }
     };
     thread_local Slot slot;
@@ -259,21 +261,20 @@ void run_parts(const Device& d, Index parts, F&& fn) {
       if (parts == 1) fn(Index(0));
       return;
     }
-    using Fn = std::remove_reference_t<F>;
-    const Index threads = std::min<Index>(parts, static_cast<Index>(d.numThreads()));
+    // fn through a lambda of our own: an object whose address the tasks
+    // can hold, whatever F is (a function too).
+    const auto call = [&fn](Index p) { fn(p); };
+    using Call = decltype(call);
+    const Index threads = std::max<Index>(1, std::min<Index>(parts, static_cast<Index>(d.numThreads())));
     PartClaims* c = PartClaims::acquire(parts, threads - 1);
-    c->set(const_cast<void*>(static_cast<const void*>(&fn)),
-           [](void* f, Index p) { (*static_cast<Fn*>(f))(p); }, parts, threads);
-    for (Index t = 1; t < threads; ++t) {
-      d.enqueueNoNotification([c, t] {
-        c->work(t);
-        c->release();
-      });
-    }
-    // The end of the call on every way out. An exception from a part on this
-    // thread (fn must not throw on the device's threads) abandons the parts
-    // not started and waits for the running ones, so that no part runs on
-    // fn once the exception has left: fn may be gone then.
+    c->set(const_cast<void*>(static_cast<const void*>(&call)),
+           [](void* f, Index p) { (*static_cast<const Call*>(f))(p); }, parts, threads);
+    // The end of the call on every way out, built before any task can run
+    // (a device may run a task inside enqueueNoNotification, on this
+    // thread). An exception from a part on this thread (fn must not throw
+    // on the device's threads) abandons the parts not started and waits for
+    // the running ones, so that no part runs on fn once the exception has
+    // left: fn may be gone then.
     struct End {
       PartClaims* c;
       int unwinding;
@@ -283,6 +284,28 @@ void run_parts(const Device& d, Index parts, F&& fn) {
         c->done();
       }
     } end{c, std::uncaught_exceptions()};
+    // Each task owns one reference from the moment it is handed over (it
+    // releases it however it ends); if an enqueue throws, the references of
+    // the tasks after it are released here. (The task whose enqueue threw
+    // counts as handed over: if it never runs, the state leaks, which is
+    // safer than releasing a reference twice.)
+    struct Unsent {
+      PartClaims* c;
+      Index left;
+      ~Unsent() {
+        for (; left > 0; --left) c->release();
+      }
+    } unsent{c, threads - 1};
+    for (Index t = 1; t < threads; ++t) {
+      --unsent.left;
+      d.enqueueNoNotification([c, t] {
+        struct Release {
+          PartClaims* c;
+          ~Release() { c->release(); }
+        } release{c};
+        c->work(t);
+      });
+    }
     c->work(0);
   }
 }
