@@ -270,6 +270,17 @@ TEST(Threads, RunPartsTasksThatWakeLate) {
   }
 }
 
+/// run_parts over c's parts with part `at` throwing (and counted).
+template <typename Device>
+void expect_throw_at(const Device& dev, Index at, PartCounts& c) {
+  EXPECT_THROW(normcore::detail::run_parts(dev, c.parts,
+                                           [&](Index p) {
+                                             c.add(p);
+                                             if (p == at) throw std::runtime_error("part");
+                                           }),
+               std::runtime_error);
+}
+
 TEST(Threads, RunPartsExceptionOnTheCallingThread) {
   // A part that throws on the calling thread: the parts not started never
   // start, the running ones finish before the exception leaves run_parts,
@@ -277,12 +288,7 @@ TEST(Threads, RunPartsExceptionOnTheCallingThread) {
   {
     LateDevice dev{3, {}};
     PartCounts c(9);
-    EXPECT_THROW(normcore::detail::run_parts(dev, 9,
-                                             [&](Index p) {
-                                               c.add(p);
-                                               if (p == 1) throw std::runtime_error("part 1");
-                                             }),
-                 std::runtime_error);
+    expect_throw_at(dev, 1, c);
     dev.run_late();  // the tasks find every part taken
     for (Index p = 0; p < 9; ++p) EXPECT_EQ(c.n[static_cast<std::size_t>(p)].load(), p <= 1 ? 1 : 0) << p;
     PartCounts d(5);
@@ -340,12 +346,7 @@ TEST(Threads, RunPartsTasksRunInsideTheEnqueue) {
     // call on the thread works (AddressSanitizer and its leak check watch
     // the claim states in CI).
     PartCounts t(7);
-    EXPECT_THROW(normcore::detail::run_parts(dev, 7,
-                                             [&](Index p) {
-                                               t.add(p);
-                                               if (p == 3) throw std::runtime_error("part 3");
-                                             }),
-                 std::runtime_error);
+    expect_throw_at(dev, 3, t);
     for (Index p = 0; p < 7; ++p) EXPECT_LE(t.n[static_cast<std::size_t>(p)].load(), 1) << p;
     EXPECT_EQ(t.n[3].load(), 1);
   }

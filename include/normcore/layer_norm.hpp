@@ -405,7 +405,7 @@ class LayerNorm {
   // a time: each row's moments taken while the row before is normalized,
   // or, rows of more than 4 KB with weight and bias, the next row requested
   // as this one is normalized), shorter rows from kIntelShortStreamingBytes
-  // (each group requesting the next). Measured
+  // (each group requesting rows ahead, forward_short_pipelined). Measured
   // on an Intel Xeon guest (AVX-512, float, the same input every call),
   // against groups: rows of 768 floats 0.93x the time at 8x768, 0.96x at
   // 32x768 to 128x768, 0.88-0.92x at 384x768 to 2048x768; 0.86x at
@@ -455,7 +455,7 @@ class LayerNorm {
       }
       return;
     }
-    if (!stream && n > 0 && n < detail::kShortMomentsValues<T> && group == kCoeffGroup && count > kCoeffGroup &&
+    if (!stream && n > 0 && n < detail::kShortMomentsValues<T> && group == kCoeffGroup && count >= kCoeffGroup &&
         (!streaming || detail::kWideRegisterFile || n * static_cast<Index>(sizeof(T)) < kPipelinedStreamingRowBytes)) {
       forward_short_pipelined(x, out, n, count, mean, rstd, g, b, streaming);
       return;
@@ -474,16 +474,10 @@ class LayerNorm {
         }
         continue;
       }
+      // Full groups of short rows with ordinary stores went to
+      // forward_short_pipelined (with 32 vector registers, whose group
+      // normalize they take).
       const Index ahead = detail::rows_ahead(streaming, group, count - r0 - m);
-      if (!stream && m == kCoeffGroup && g && b && n < detail::kGroupNormalizeValues<T>) {
-        // Full groups of short rows with weight and bias, ordinary stores:
-        // the group normalize, after requesting the next group. On an Intel
-        // Xeon (AVX-512, float) against a row at a time: 0.65-0.81x the
-        // time on 16 MB of rows of 32 to 60 floats, but 1.07x on rows of
-        // 64 (four whole packets), hence the strict bound.
-        detail::normalize_group_requesting<kCoeffGroup>(x + r0 * n, out + r0 * n, n, k, g, b, ahead);
-        continue;
-      }
       for (Index i = 0; i < m; ++i) {
         if (i < ahead) detail::prefetch_span(x + (r0 + m + i) * n, n * static_cast<Index>(sizeof(T)));
         const detail::RowValues<T> row{x + (r0 + i) * n};
@@ -511,7 +505,7 @@ class LayerNorm {
   // does.
   static constexpr Index kPipelinedStreamingRowBytes = 256;
 
-  // Short rows (more than one group), software-pipelined: the moments of group
+  // Short rows (at least one full group), software-pipelined: the moments of group
   // j + 1 are taken between the coefficients of group j (two divisions and
   // a square root per four rows, long latency) and its normalize, so the
   // out-of-order core runs them side by side instead of the normalize

@@ -426,16 +426,6 @@ EIGEN_ALWAYS_INLINE void normalize_group(const T* x, T* y, Index n, const CoeffG
   }
 }
 
-/// normalize_group after requesting the first `ahead` rows of the next
-/// group (prefetch_span). Not inlined: forward_rows' one-row path, which
-/// does not take it, took 1.05x the time at 1x768 with it inlined.
-template <int G, typename T>
-EIGEN_DONT_INLINE void normalize_group_requesting(const T* x, T* y, Index n, const CoeffGroup<T>& k,
-                                                  const T* gamma, const T* beta, Index ahead) {
-  for (Index i = 0; i < ahead; ++i) prefetch_span(x + (G + i) * n, n * static_cast<Index>(sizeof(T)));
-  normalize_group<G>(x, y, n, k, gamma, beta);
-}
-
 /// Normalizes n contiguous values with scalar gamma and beta (BatchNorm NCHW).
 template <typename T>
 void normalize_span_scalar_affine(const T* x, T* y, Index n, const NormCoeffs<T>& k, T gamma,
