@@ -534,6 +534,25 @@ TYPED_TEST(LayerNormTest, LargeInputBackwardSameBitsAsSmallCalls) {
   }
 }
 
+// Backward inputs over the L2, under the streaming gate: on Intel CPUs dx
+// with streaming stores (nctest::check_l2_backward), with both sets of path
+// choices. Rows of 1 KB (the shortest that stream) and 1024 values.
+TYPED_TEST(LayerNormTest, L2SizedBackwardSameBitsAsSmallCalls) {
+  using T = TypeParam;
+  for (int tuning : {0, 1}) {
+    const nctest::IntelTuning paths(tuning);
+    SCOPED_TRACE(::testing::Message() << "Intel tuning " << tuning);
+    for (Index n : {Index(1024 / sizeof(T)), Index(1024)}) {
+      LayerNorm<T> ln(LayerNormOptions({n}));
+      randomize_params(ln, 9);
+      Eigen::Tensor<T, 1> dw, db;
+      check_l2_backward<T>(n, [&](const auto& x, const auto& dy, auto& dx, bool grads) {
+        ln.backward(x, dy, &dx, grads ? &dw : nullptr, grads ? &db : nullptr);
+      });
+    }
+  }
+}
+
 // Float rows with mean 1e4..1e6 and standard deviation 1. The tolerance is
 // the floor set by the input itself (ulp(mean)/2 / std) times 1.5; the naive
 // E[x^2] - E[x]^2 formula misses it on the same data, so this test can fail.

@@ -219,6 +219,26 @@ TYPED_TEST(RMSNormTest, LargeInputForwardSameBitsAsSmallCalls) {
   }
 }
 
+// Backward inputs over the L2, under the streaming gate: on Intel CPUs dx
+// with streaming stores (nctest::check_l2_backward), with both sets of path
+// choices. Rows of 1 KB (the shortest that stream) and 1024 values.
+TYPED_TEST(RMSNormTest, L2SizedBackwardSameBitsAsSmallCalls) {
+  using T = TypeParam;
+  for (int tuning : {0, 1}) {
+    const nctest::IntelTuning paths(tuning);
+    SCOPED_TRACE(::testing::Message() << "Intel tuning " << tuning);
+    for (Index n : {Index(1024 / sizeof(T)), Index(1024)}) {
+      RMSNorm<T> rn(RMSNormOptions({n}));
+      const auto gv = randn<T>(static_cast<std::size_t>(n), 8, 1.0, 0.5);
+      std::copy(gv.begin(), gv.end(), rn.weight().data());
+      Eigen::Tensor<T, 1> dw;
+      check_l2_backward<T>(n, [&](const auto& x, const auto& dy, auto& dx, bool grads) {
+        rn.backward(x, dy, &dx, grads ? &dw : nullptr);
+      });
+    }
+  }
+}
+
 // Large backward inputs: dx with streaming stores (nctest::check_large_backward).
 TYPED_TEST(RMSNormTest, LargeInputBackwardSameBitsAsSmallCalls) {
   using T = TypeParam;

@@ -100,29 +100,21 @@ inline const std::vector<Index>& awkward_lengths() {
   return v;
 }
 
-/// A row-wise backward over enough rows of n values to stream
-/// (normcore::detail::streaming_backward: x and dy together at least
-/// kStreamingBytes) writes dx with streaming stores when dx is aligned,
-/// whole packets per row and apart from x and dy: dx must be the bits of the
-/// same rows in calls below the threshold, whichever stores it takes
+/// A row-wise backward over `rows` rows of n values must write the dx bits
+/// of the same rows in calls of `chunk` rows, whichever stores it takes
 /// (aligned, one element off alignment, or over dy).
 /// backward(x, dy, dx, grads): the layer's backward into dx, with its
 /// parameter gradients when grads.
 template <typename T, typename Backward>
-void check_large_backward(Index n, Backward&& backward) {
+void check_backward_against_chunks(Index n, Index rows, Index chunk, Backward&& backward) {
   using Map = Eigen::TensorMap<Eigen::Tensor<T, 2, Eigen::RowMajor>>;
   using CMap = Eigen::TensorMap<const Eigen::Tensor<T, 2, Eigen::RowMajor>>;
-  SCOPED_TRACE(::testing::Message() << "n=" << n);
-  const Index row_bytes = n * static_cast<Index>(sizeof(T));
-  const Index rows = normcore::detail::kStreamingBytes / (2 * row_bytes) + 5;
+  SCOPED_TRACE(::testing::Message() << rows << "x" << n << " against chunks of " << chunk);
   const auto N = static_cast<std::size_t>(rows * n);
   const auto xb = randn<T>(N, 23, 0.5, 2.0);
   const auto dyb = randn<T>(N, 24);
   std::vector<T> want(N);
-  const Index chunk = normcore::detail::kStreamingBytes / (8 * row_bytes);
   ASSERT_GT(chunk, 0);
-  ASSERT_TRUE((normcore::detail::streaming_backward<T, T>(rows, n)));
-  ASSERT_FALSE((normcore::detail::streaming_backward<T, T>(chunk, n)));
   for (Index r0 = 0; r0 < rows; r0 += chunk) {
     const Index m = std::min(chunk, rows - r0);
     CMap xs(xb.data() + r0 * n, m, n), dys(dyb.data() + r0 * n, m, n);
@@ -140,6 +132,40 @@ void check_large_backward(Index n, Backward&& backward) {
   Map over(dyw.data(), rows, n);
   backward(x, over, over, false);
   ASSERT_EQ(std::memcmp(dyw.data(), want.data(), N * sizeof(T)), 0) << "dx over dy";
+}
+
+/// A row-wise backward over enough rows of n values to stream
+/// (normcore::detail::streaming_backward: x and dy together at least
+/// kStreamingBytes) writes dx with streaming stores when dx is aligned,
+/// whole packets per row and apart from x and dy: the bits of calls below
+/// the threshold (check_backward_against_chunks).
+template <typename T, typename Backward>
+void check_large_backward(Index n, Backward&& backward) {
+  const Index row_bytes = n * static_cast<Index>(sizeof(T));
+  const Index rows = normcore::detail::kStreamingBytes / (2 * row_bytes) + 5;
+  const Index chunk = normcore::detail::kStreamingBytes / (8 * row_bytes);
+  ASSERT_TRUE((normcore::detail::streaming_backward<T, T>(rows, n)));
+  ASSERT_FALSE((normcore::detail::streaming_backward<T, T>(chunk, n)));
+  check_backward_against_chunks<T>(n, rows, chunk, backward);
+}
+
+/// On Intel CPUs (or with the Intel path choices forced, IntelTuning), a
+/// row-wise backward under the streaming_backward gate whose x, dy and dx
+/// overflow the L2 writes dx with streaming stores too
+/// (normcore::detail::l2_backward_streams): the bits of calls whose rows the
+/// L2 holds (check_backward_against_chunks), with either set of path
+/// choices. Rows of n values with n * sizeof(T) >= kL2StreamRowBytes.
+template <typename T, typename Backward>
+void check_l2_backward(Index n, Backward&& backward) {
+  const Index row_bytes = n * static_cast<Index>(sizeof(T));
+  const Index l2 = normcore::detail::l2_cache_bytes() > 0 ? normcore::detail::l2_cache_bytes() : (Index(2) << 20);
+  const Index rows = l2 / (3 * row_bytes) + 5;
+  const Index chunk = std::max<Index>(1, l2 / (6 * row_bytes));
+  ASSERT_GE(row_bytes, normcore::detail::kL2StreamRowBytes);
+  ASSERT_EQ((normcore::detail::l2_backward_streams<T, T>(rows, n, 1)), normcore::detail::intel_tuned());
+  ASSERT_FALSE((normcore::detail::l2_backward_streams<T, T>(chunk, n, 1)));
+  ASSERT_FALSE((normcore::detail::l2_backward_streams<T, T>(rows, n, 2)));  // 1.5x the L2 on 2 threads
+  check_backward_against_chunks<T>(n, rows, chunk, backward);
 }
 
 /// Sets normcore::forward_stream_threshold() for a scope, then puts back the

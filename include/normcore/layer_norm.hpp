@@ -921,7 +921,8 @@ class LayerNorm {
     detail::Scratch<double> part((dweight ? gn : 0) + (dbias ? gn : 0), true);
     double* const dw_part = part.data();
     double* const db_part = part.data() + (dweight ? gn : 0);
-    const bool stream_dx = xv.row_major && detail::stream_gradient<S, T>(xv.data, dyp, dhp, dxp, rows, n);
+    const bool stream_dx = xv.row_major && detail::stream_gradient<S, T>(xv.data, dyp, dhp, dxp, rows, n,
+                                                                         detail::threads_for(device, parts));
     const bool ahead = detail::prefetch_next_row<S, T>(rows, n);
     const auto prm = detail::param_ptrs<T>(weight_, Eigen::Tensor<P, 1>());
     const auto pv = detail::param_view(!xv.row_major, options_.normalized_shape(), prm.gamma,

@@ -95,6 +95,13 @@ Index parts_for(const Device& d, Index work, Index max_parts, Index per_thread =
   return std::max<Index>(1, std::min<Index>({most, by_size, max_parts}));
 }
 
+/// How many threads run `parts` parts on this device (run_parts): the
+/// device's threads, at most one per part, at least one.
+template <typename Device>
+Index threads_for(const Device& d, Index parts) {
+  return std::max<Index>(1, std::min<Index>(parts, static_cast<Index>(d.numThreads())));
+}
+
 /// The claim state of one run_parts call, shared by the calling thread and
 /// the tasks it enqueues, and counted by hand (refs) so that a task is two
 /// words: it then fits in std::function's own storage, and enqueueing it
@@ -265,7 +272,7 @@ void run_parts(const Device& d, Index parts, F&& fn) {
     // can hold, whatever F is (a function too).
     const auto call = [&fn](Index p) { fn(p); };
     using Call = decltype(call);
-    const Index threads = std::max<Index>(1, std::min<Index>(parts, static_cast<Index>(d.numThreads())));
+    const Index threads = threads_for(d, parts);
     PartClaims* c = PartClaims::acquire(parts, threads - 1);
     c->set(const_cast<void*>(static_cast<const void*>(&call)),
            [](void* f, Index p) { (*static_cast<const Call*>(f))(p); }, parts, threads);

@@ -644,7 +644,8 @@ class RMSNorm {
     const T* g = pv.gamma;
     // Per-group sums of dweight (detail::Scratch: kept between calls).
     detail::Scratch<double> dw_part(dweight ? static_cast<std::size_t>(groups * n) : 0, true);
-    const bool stream_dx = xv.row_major && detail::stream_gradient<S, T>(xv.data, dyp, dhp, dx, rows, n);
+    const bool stream_dx = xv.row_major && detail::stream_gradient<S, T>(xv.data, dyp, dhp, dx, rows, n,
+                                                                         detail::threads_for(device, parts));
     const bool ahead = detail::prefetch_next_row<S, T>(rows, n);
 
     detail::run_parts(device, parts, [&](Index p) {

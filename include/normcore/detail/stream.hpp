@@ -68,16 +68,18 @@ bool can_stream_rows(const T* in, const T* out, Index n, Index count) {
   return can_stream_rows(out, n) && disjoint(in, n * count, out, n * count);
 }
 
-/// Whether a row-wise backward over `rows` rows of n values stored as S
-/// writes dx with streaming stores: a streaming backward (streaming_backward:
-/// stored in the compute type T, x and dy together at least
-/// kStreamingBytes), and dx can take them and is apart from x, dy and dh
-/// (dh may be null).
+/// Whether a row-wise backward over `rows` rows of n values stored as S,
+/// run by `threads` threads, writes dx with streaming stores: a streaming
+/// backward (streaming_backward: stored in the compute type T, x and dy
+/// together at least kStreamingBytes), or on Intel CPUs one whose threads'
+/// inputs overflow their L2 (l2_backward_streams); and dx can take them and
+/// is apart from x, dy and dh (dh may be null).
 template <typename S, typename T>
-bool stream_gradient(const S* x, const S* dy, const S* dh, const S* dx, Index rows, Index n) {
+bool stream_gradient(const S* x, const S* dy, const S* dh, const S* dx, Index rows, Index n, Index threads) {
   if constexpr (std::is_same<S, T>::value) {
     const Index total = rows * n;
-    return dx && streaming_backward<S, T>(rows, n) && can_stream_rows(x, dx, n, rows) &&
+    return dx && (streaming_backward<S, T>(rows, n) || l2_backward_streams<S, T>(rows, n, threads)) &&
+           can_stream_rows(x, dx, n, rows) &&
            disjoint(dy, total, dx, total) && (!dh || disjoint(dh, total, dx, total));
   } else {
     return false;
