@@ -544,8 +544,10 @@ constexpr Index kRequestRowBytes = 4096;
 /// Path choices tuned on an Intel Xeon follow it through intel_tuned:
 /// LayerNorm's longest requested rows (request_max_row_bytes: the same loop
 /// measured 1.12-1.21x the time on Zen 4 and 0.73-0.77x on an Intel Xeon),
-/// LayerNorm's streaming path on smaller inputs (intel_streaming) and
-/// BatchNorm's channels-last streaming dx (dx_streams_channels_last).
+/// LayerNorm's streaming path on smaller inputs (intel_streaming),
+/// BatchNorm's channels-last streaming dx (dx_streams_channels_last) and
+/// the row-wise backwards' streaming dx on inputs that overflow the L2
+/// (l2_backward_streams).
 inline bool intel_cpu() {
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__)) && !defined(_MSC_VER)
   // (Not clang-cl: its __builtin_cpu_is needs compiler-rt's __cpu_model.)
@@ -616,7 +618,7 @@ bool l2_backward_streams(Index rows, Index n, Index threads) {
   if (!std::is_same<S, T>::value || !intel_tuned()) return false;
   const Index row = n * static_cast<Index>(sizeof(S));
   const Index l2 = l2_cache_bytes() > 0 ? l2_cache_bytes() : (Index(2) << 20);
-  return row >= kL2StreamRowBytes && 3 * rows * row > std::max<Index>(1, threads) * l2;
+  return row >= kL2StreamRowBytes && rows * row > std::max<Index>(1, threads) * (l2 / 3);  // 3x > L2 a thread
 }
 
 inline bool forward_requests(bool streaming, Index n, Index bytes, Index max_row_bytes) {
