@@ -380,20 +380,27 @@ constexpr Index kGroupBytes = 16 * 1024;
 /// prefetch) are faster: see forward_group.
 constexpr Index kStreamingBytes = Index(12) << 20;
 
-/// The last-level (L3) cache the OS reports, in bytes, read once
-/// (sysconf(_SC_LEVEL3_CACHE_SIZE) where the C library has it); 0 where it
-/// reports none.
-inline Index l3_cache_bytes() {
-#if defined(_SC_LEVEL3_CACHE_SIZE)
-  static const Index bytes = [] {
-    const long v = sysconf(_SC_LEVEL3_CACHE_SIZE);
-    return v > 0 ? static_cast<Index>(v) : Index(0);
-  }();
-  return bytes;
-#else
-  return 0;
-#endif
+/// The caches the OS reports, in bytes, each read once: the last-level
+/// (L3) cache and a core's L2 (sysconf(_SC_LEVEL3_CACHE_SIZE) and
+/// _SC_LEVEL2_CACHE_SIZE where the C library has them); 0 where it reports
+/// none.
+#if defined(_SC_LEVEL3_CACHE_SIZE) && defined(_SC_LEVEL2_CACHE_SIZE)
+inline Index reported_cache_bytes(int name) {
+  const long v = sysconf(name);
+  return v > 0 ? static_cast<Index>(v) : Index(0);
 }
+inline Index l3_cache_bytes() {
+  static const Index bytes = reported_cache_bytes(_SC_LEVEL3_CACHE_SIZE);
+  return bytes;
+}
+inline Index l2_cache_bytes() {
+  static const Index bytes = reported_cache_bytes(_SC_LEVEL2_CACHE_SIZE);
+  return bytes;
+}
+#else
+inline Index l3_cache_bytes() { return 0; }
+inline Index l2_cache_bytes() { return 0; }
+#endif
 
 /// forward_stream_threshold()'s default: kStreamingBytes, or a sixteenth of
 /// the L3 the OS reports when that is more. A streaming store sends y to
@@ -575,21 +582,6 @@ inline std::atomic<int>& intel_tuning_setting() {
 inline bool intel_tuned() {
   const int v = intel_tuning_setting().load(std::memory_order_relaxed);
   return v < 0 ? intel_cpu() : v != 0;
-}
-
-/// The L2 cache of a core the OS reports, in bytes, read once
-/// (sysconf(_SC_LEVEL2_CACHE_SIZE) where the C library has it); 0 where it
-/// reports none.
-inline Index l2_cache_bytes() {
-#if defined(_SC_LEVEL2_CACHE_SIZE)
-  static const Index bytes = [] {
-    const long v = sysconf(_SC_LEVEL2_CACHE_SIZE);
-    return v > 0 ? static_cast<Index>(v) : Index(0);
-  }();
-  return bytes;
-#else
-  return 0;
-#endif
 }
 
 /// Rows shorter than this many bytes keep ordinary dx stores under the
