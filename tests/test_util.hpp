@@ -161,7 +161,7 @@ template <typename T, typename Backward>
 void check_l2_backward(Index n, Backward&& backward) {
   namespace d = normcore::detail;
   const Index row_bytes = n * static_cast<Index>(sizeof(T));
-  const Index l2 = d::l2_cache_bytes() > 0 ? d::l2_cache_bytes() : (Index(2) << 20);
+  const Index l2 = d::backward_l2_bytes();
   const Index rows = l2 / (3 * row_bytes) + 1;
   const Index chunk = std::max<Index>(1, l2 / (6 * row_bytes));
   if (d::streaming_backward<T, T>(chunk, n)) GTEST_SKIP() << "an L2 of " << l2 << " bytes";

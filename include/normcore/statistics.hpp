@@ -588,11 +588,15 @@ inline bool intel_tuned() {
 /// streaming_backward gate (l2_backward_streams).
 constexpr Index kL2StreamRowBytes = 1024;
 
+/// The L2 that l2_backward_streams weighs a thread's share against: the one
+/// the OS reports, or 2 MiB where it reports none.
+inline Index backward_l2_bytes() { return l2_cache_bytes() > 0 ? l2_cache_bytes() : (Index(2) << 20); }
+
 /// Whether a row-wise backward under the streaming_backward gate still
 /// writes dx with streaming stores (where dx can take them): on Intel CPUs
 /// (intel_tuned), rows of at least kL2StreamRowBytes, when what each of the
 /// `threads` threads touches, x, dy and dx (3 * x / threads), is more than
-/// the L2 the OS reports (2 MiB where it reports none). A dx written
+/// the L2 (backward_l2_bytes: the OS's, or 2 MiB). A dx written
 /// through the cache then evicts the x and dy lines that the row's second
 /// pass, or the next call over the same input, reads; streamed, x and dy
 /// stay in the L2. Measured on an Intel Xeon guest (2 MB of L2, AVX-512,
@@ -609,8 +613,8 @@ template <typename S, typename T>
 bool l2_backward_streams(Index rows, Index n, Index threads) {
   if (!std::is_same<S, T>::value || !intel_tuned()) return false;
   const Index row = n * static_cast<Index>(sizeof(S));
-  const Index l2 = l2_cache_bytes() > 0 ? l2_cache_bytes() : (Index(2) << 20);
-  return row >= kL2StreamRowBytes && rows * row > std::max<Index>(1, threads) * (l2 / 3);  // 3x > L2 a thread
+  return row >= kL2StreamRowBytes &&
+         rows * row > std::max<Index>(1, threads) * (backward_l2_bytes() / 3);  // 3x > L2 a thread
 }
 
 inline bool forward_requests(bool streaming, Index n, Index bytes, Index max_row_bytes) {
