@@ -537,13 +537,13 @@ class RMSNorm {
     const Packet pr = pset1<Packet>(rt);
     Index j = 0;
     if (g) {
-      j = detail::for_packets<L>(j, n, [&](Index i) {
+      j = detail::for_packets<L>(j, n, [&](Index i) NORMCORE_INLINE_LAMBDA {
         detail::store_packet<Stream>(yr + i, pmul(pmul(src.template packet<Packet>(i), pr), ploadu<Packet>(g + i)));
       });
       for (; j < n; ++j) yr[j] = static_cast<Y>(src.value(j) * rt * g[j]);
     } else {
       j = detail::for_packets<L>(
-          j, n, [&](Index i) { detail::store_packet<Stream>(yr + i, pmul(src.template packet<Packet>(i), pr)); });
+          j, n, [&](Index i) NORMCORE_INLINE_LAMBDA { detail::store_packet<Stream>(yr + i, pmul(src.template packet<Packet>(i), pr)); });
       for (; j < n; ++j) yr[j] = static_cast<Y>(src.value(j) * rt);
     }
   }

@@ -272,17 +272,17 @@ EIGEN_ALWAYS_INLINE void normalize_values(const Src src, Y* y, Index n, const No
   const Packet pc = pset1<Packet>(-k.shift);
   Index j = 0;
   if (gamma && beta) {
-    j = for_packets<L>(j, n, [&](Index i) {
+    j = for_packets<L>(j, n, [&](Index i) NORMCORE_INLINE_LAMBDA {
       const Packet v = pmadd(psub(src.template packet<Packet>(i), pp), pr, pc);
       store_packet<Stream>(y + i, pmadd(v, ploadu<Packet>(gamma + i), ploadu<Packet>(beta + i)));
     });
   } else if (gamma) {
-    j = for_packets<L>(j, n, [&](Index i) {
+    j = for_packets<L>(j, n, [&](Index i) NORMCORE_INLINE_LAMBDA {
       const Packet v = pmadd(psub(src.template packet<Packet>(i), pp), pr, pc);
       store_packet<Stream>(y + i, pmul(v, ploadu<Packet>(gamma + i)));
     });
   } else {
-    j = for_packets<L>(j, n, [&](Index i) {
+    j = for_packets<L>(j, n, [&](Index i) NORMCORE_INLINE_LAMBDA {
       store_packet<Stream>(y + i, pmadd(psub(src.template packet<Packet>(i), pp), pr, pc));
     });
   }
