@@ -542,8 +542,9 @@ class RMSNorm {
       });
       for (; j < n; ++j) yr[j] = static_cast<Y>(src.value(j) * rt * g[j]);
     } else {
-      j = detail::for_packets<L>(
-          j, n, [&](Index i) NORMCORE_INLINE_LAMBDA { detail::store_packet<Stream>(yr + i, pmul(src.template packet<Packet>(i), pr)); });
+      j = detail::for_packets<L>(j, n, [&](Index i) NORMCORE_INLINE_LAMBDA {
+        detail::store_packet<Stream>(yr + i, pmul(src.template packet<Packet>(i), pr));
+      });
       for (; j < n; ++j) yr[j] = static_cast<Y>(src.value(j) * rt);
     }
   }
