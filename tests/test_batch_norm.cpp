@@ -295,40 +295,59 @@ class NoReducer : public normcore::BatchNormReducer {
 // Channels first with long segments, backward fuses each channel group's sums
 // and dx into one pass, unless a reducer must add up the sums first. Both
 // orders must give the same bits, and the reference's numbers.
+template <typename T>
+void check_fused_backward(Index N, Index C, Index inner) {
+  SCOPED_TRACE(::testing::Message() << "N " << N << ", C " << C << ", inner " << inner);
+  const auto xv = randn<T>(static_cast<std::size_t>(N * C * inner), 5, 2.0, 3.0);
+  const auto dv = randn<T>(xv.size(), 6);
+  Eigen::TensorMap<const Eigen::Tensor<T, 3, Eigen::RowMajor>> x(xv.data(), N, C, inner), dy(dv.data(), N, C, inner);
+  BatchNorm<T> fused{BatchNormOptions(C)}, two{BatchNormOptions(C)};
+  randomize(fused, 7);
+  two.weight() = fused.weight();
+  two.bias() = fused.bias();
+  NoReducer none;
+  two.set_reducer(&none);
+  Eigen::Tensor<T, 3, Eigen::RowMajor> y(N, C, inner);
+  NormStats<T> s;
+  fused.forward(x, y, s);
+  const auto a = fused.backward(x, dy, &s), b = two.backward(x, dy, &s);
+  EXPECT_TRUE(bit_equal(a.dx.data(), b.dx.data(), xv.size()));
+  EXPECT_TRUE(bit_equal(a.dweight.data(), b.dweight.data(), static_cast<std::size_t>(C)));
+  EXPECT_TRUE(bit_equal(a.dbias.data(), b.dbias.data(), static_cast<std::size_t>(C)));
+  // In place: dx written over a copy of dy.
+  std::vector<T> inplace(dv);
+  Eigen::TensorMap<Eigen::Tensor<T, 3, Eigen::RowMajor>> dxm(inplace.data(), N, C, inner);
+  Eigen::TensorMap<const Eigen::Tensor<T, 3, Eigen::RowMajor>> dyin(inplace.data(), N, C, inner);
+  Eigen::Tensor<T, 1> dw, db;
+  fused.backward(x, dyin, &dxm, &dw, &db, &s);
+  EXPECT_TRUE(bit_equal(inplace.data(), a.dx.data(), xv.size()));
+  const auto st = normcore::reference::channel_stats(xv.data(), N, C, inner);
+  const auto gref = normcore::reference::batch_norm_backward(xv.data(), dv.data(), N, C, inner, st.mean, st.var,
+                                                             fused.weight().data(), 1e-5, true);
+  double rmax = 0;
+  for (double v : st.var) rmax = std::max(rmax, 1 / std::sqrt(v + 1e-5));
+  EXPECT_LE(max_diff(a.dx.data(), gref.dx), tol_elem<T>(rmax * 8 * (1 + 2 * rmax), double(N * inner)));
+}
+
 TYPED_TEST(BatchNormTest, FusedChannelsFirstBackwardMatchesTwoPasses) {
+  for (Index inner : {Index(1024), Index(1031), Index(4100)}) check_fused_backward<TypeParam>(3, 9, inner);
+}
+
+// On Intel CPUs a fused group holds no more x and dy than half the L2: here
+// about a sixth of it a channel, so groups of 3 channels instead of the 4
+// that runs of 4096 values need (9 channels: 3 + 3 + 3, against 4 + 4 + 1).
+// Both sets of path choices, on any machine; the same bits as two passes.
+TYPED_TEST(BatchNormTest, FusedChannelsFirstBackwardGroupsWithinHalfTheL2) {
   using T = TypeParam;
-  for (Index inner : {Index(1024), Index(1031), Index(4100)}) {
-    const Index N = 3, C = 9;
-    SCOPED_TRACE(::testing::Message() << "inner " << inner);
-    const auto xv = randn<T>(static_cast<std::size_t>(N * C * inner), 5, 2.0, 3.0);
-    const auto dv = randn<T>(xv.size(), 6);
-    Eigen::TensorMap<const Eigen::Tensor<T, 3, Eigen::RowMajor>> x(xv.data(), N, C, inner), dy(dv.data(), N, C, inner);
-    BatchNorm<T> fused{BatchNormOptions(C)}, two{BatchNormOptions(C)};
-    randomize(fused, 7);
-    two.weight() = fused.weight();
-    two.bias() = fused.bias();
-    NoReducer none;
-    two.set_reducer(&none);
-    Eigen::Tensor<T, 3, Eigen::RowMajor> y(N, C, inner);
-    NormStats<T> s;
-    fused.forward(x, y, s);
-    const auto a = fused.backward(x, dy, &s), b = two.backward(x, dy, &s);
-    EXPECT_TRUE(bit_equal(a.dx.data(), b.dx.data(), xv.size()));
-    EXPECT_TRUE(bit_equal(a.dweight.data(), b.dweight.data(), static_cast<std::size_t>(C)));
-    EXPECT_TRUE(bit_equal(a.dbias.data(), b.dbias.data(), static_cast<std::size_t>(C)));
-    // In place: dx written over a copy of dy.
-    std::vector<T> inplace(dv);
-    Eigen::TensorMap<Eigen::Tensor<T, 3, Eigen::RowMajor>> dxm(inplace.data(), N, C, inner);
-    Eigen::TensorMap<const Eigen::Tensor<T, 3, Eigen::RowMajor>> dyin(inplace.data(), N, C, inner);
-    Eigen::Tensor<T, 1> dw, db;
-    fused.backward(x, dyin, &dxm, &dw, &db, &s);
-    EXPECT_TRUE(bit_equal(inplace.data(), a.dx.data(), xv.size()));
-    const auto st = normcore::reference::channel_stats(xv.data(), N, C, inner);
-    const auto gref = normcore::reference::batch_norm_backward(xv.data(), dv.data(), N, C, inner, st.mean, st.var,
-                                                               fused.weight().data(), 1e-5, true);
-    double rmax = 0;
-    for (double v : st.var) rmax = std::max(rmax, 1 / std::sqrt(v + 1e-5));
-    EXPECT_LE(max_diff(a.dx.data(), gref.dx), tol_elem<T>(rmax * 8 * (1 + 2 * rmax), double(N * inner)));
+  namespace d = normcore::detail;
+  const Index inner = 1024, C = 9, bytes = static_cast<Index>(sizeof(T));
+  const Index N = d::backward_l2_bytes() / (12 * inner * bytes);
+  if (N * C * inner * bytes > (Index(16) << 20)) GTEST_SKIP() << "an L2 of " << d::backward_l2_bytes() << " bytes";
+  for (int tuning : {0, 1}) {
+    SCOPED_TRACE(::testing::Message() << "intel tuning " << tuning);
+    const nctest::IntelTuning paths(tuning);
+    ASSERT_EQ(d::fused_channel_group(inner, N * inner, bytes, 4096), tuning ? 3 : 4);
+    check_fused_backward<T>(N, C, inner);
   }
 }
 
