@@ -333,21 +333,30 @@ TYPED_TEST(BatchNormTest, FusedChannelsFirstBackwardMatchesTwoPasses) {
   for (Index inner : {Index(1024), Index(1031), Index(4100)}) check_fused_backward<TypeParam>(3, 9, inner);
 }
 
-// On Intel CPUs a fused group holds no more x and dy than half the L2: here
-// about a sixth of it a channel, so groups of 3 channels instead of the 4
-// that runs of 4096 values need (9 channels: 3 + 3 + 3, against 4 + 4 + 1).
-// Both sets of path choices, on any machine; the same bits as two passes.
+// On Intel CPUs a fused group holds no more x and dy than half the L2, and
+// short segments fuse when a group's run is long. Segments of 1024 values
+// with about a sixth of the L2 a channel: groups of 3 channels instead of
+// the 4 that runs of 4096 values need (9 channels: 3 + 3 + 3, against
+// 4 + 4 + 1). Segments of 49 values (7x7) with about a fiftieth of it a
+// channel: fused in groups of 25 (runs of 1225 values: 60 channels in
+// 25 + 25 + 10), against two passes elsewhere. Both sets of path choices,
+// on any machine; the same bits as two passes.
 TYPED_TEST(BatchNormTest, FusedChannelsFirstBackwardGroupsWithinHalfTheL2) {
   using T = TypeParam;
   namespace d = normcore::detail;
-  const Index inner = 1024, C = 9, bytes = static_cast<Index>(sizeof(T));
-  const Index N = d::backward_l2_bytes() / (12 * inner * bytes);
-  if (N * C * inner * bytes > (Index(16) << 20)) GTEST_SKIP() << "an L2 of " << d::backward_l2_bytes() << " bytes";
-  for (int tuning : {0, 1}) {
-    SCOPED_TRACE(::testing::Message() << "intel tuning " << tuning);
-    const nctest::IntelTuning paths(tuning);
-    ASSERT_EQ(d::fused_channel_group(inner, N * inner, bytes, 4096), tuning ? 3 : 4);
-    check_fused_backward<T>(N, C, inner);
+  const Index bytes = static_cast<Index>(sizeof(T)), l2 = d::backward_l2_bytes();
+  struct Case {
+    Index inner, C, share, intel, other;  // share: a channel's x and dy are about l2 / share
+  };
+  for (const Case& c : {Case{1024, 9, 6, 3, 4}, Case{49, 60, 50, 25, 84}}) {
+    const Index N = l2 / (c.share * 2 * c.inner * bytes);
+    if (N * c.C * c.inner * bytes > (Index(16) << 20)) GTEST_SKIP() << "an L2 of " << l2 << " bytes";
+    for (int tuning : {0, 1}) {
+      SCOPED_TRACE(::testing::Message() << "intel tuning " << tuning);
+      const nctest::IntelTuning paths(tuning);
+      ASSERT_EQ(d::fused_channel_group(c.inner, N * c.inner, bytes, 4096), tuning ? c.intel : c.other);
+      check_fused_backward<T>(N, c.C, c.inner);
+    }
   }
 }
 

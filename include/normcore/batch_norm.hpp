@@ -43,7 +43,13 @@ namespace detail {
 /// instead of two took 0.92x the time at 32x64x56x56 (0.8 MB of x and dy a
 /// channel), 0.83x at 64x64x56x56 and 0.94x at 32x64x48x48; on 2 threads
 /// 0.92x and 0.84x. At 128x64x56x56 (3.2 MB a channel, so no longer two
-/// channels under the fused size limit: two passes before) 0.96x.
+/// channels under the fused size limit: two passes before) 0.96x. With
+/// groups that small, shorter segments fuse too when a group's run is long
+/// enough (BatchNorm::backward_impl): against two passes, 0.72-0.86x the
+/// time at 16x512x14x14, 32x64x28x28, 64x128x28x28, 32x256x7x7 and
+/// 64x512x7x7 (2 threads: 0.74-0.86x), 0.98-1.00x at 4x32x7x7,
+/// 8x64x14x14 and 16x256x7x7; 256x256x14x14 (groups of 2 channels, runs of
+/// 392 values) took 1.10x fused and keeps two passes.
 inline Index fused_channel_group(Index inner, Index count, Index value_bytes, Index run) {
   const Index runs = std::max<Index>(1, (run + inner - 1) / std::max<Index>(1, inner));
   if (!intel_tuned()) return runs;
@@ -286,7 +292,8 @@ class BatchNorm {
   // (so that the second read comes from cache). Measured on Zen 3: 0.85x
   // the time at 32x64x56x56 (1 thread); shorter segments (14x14, 7x7) got
   // slower fused, from the jumps between segments. On Intel CPUs a group
-  // also keeps its x and dy within half the L2 (detail::fused_channel_group).
+  // also keeps its x and dy within half the L2 (detail::fused_channel_group),
+  // and what must be long is a group's run, not each segment.
   static constexpr Index kFusedRun = 4096;
   static constexpr Index kFusedBytes = Index(4) << 20;
   // Channels last on several threads: a window of chunks holds this many
@@ -1089,7 +1096,11 @@ class BatchNorm {
     // splits finer, by segments).
     // (inner may be 0: an empty spatial dim, or N = 0 for ColMajor.)
     const Index group = detail::fused_channel_group(v.inner, local_count, Index(sizeof(T)), kFusedRun);
-    const bool fused = dx && v.inner >= kFusedRun / 4 && local_count > 0 && !(reducer_ && batch) &&
+    // On Intel CPUs, where a group stays within half the L2, a group's run
+    // of contiguous values must be a quarter of kFusedRun long; elsewhere
+    // each segment (see kFusedRun).
+    const Index run = detail::intel_tuned() ? group * v.inner : v.inner;
+    const bool fused = dx && run >= kFusedRun / 4 && local_count > 0 && !(reducer_ && batch) &&
                        C >= 8 * static_cast<Index>(device.numThreads()) &&
                        group * local_count * Index(2 * sizeof(T)) <= kFusedBytes;
     if (fused) {  // (sums starts at zero)
