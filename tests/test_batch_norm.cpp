@@ -354,9 +354,68 @@ TYPED_TEST(BatchNormTest, FusedChannelsFirstBackwardGroupsWithinHalfTheL2) {
     for (int tuning : {0, 1}) {
       SCOPED_TRACE(::testing::Message() << "intel tuning " << tuning);
       const nctest::IntelTuning paths(tuning);
-      ASSERT_EQ(d::fused_channel_group(c.inner, N * c.inner, bytes, 4096), tuning ? c.intel : c.other);
+      ASSERT_EQ(d::fused_channel_group(c.inner, 2 * N * c.inner * bytes, 4096), tuning ? c.intel : c.other);
       check_fused_backward<T>(N, c.C, c.inner);
     }
+  }
+}
+
+// On Intel CPUs the channels-first training forward of an input the L2
+// does not hold goes a group of channels at a time (statistics, then the
+// group's normalize from the L2), when the group's runs are long enough:
+// segments of 3136 values (56x56), about a fifth of the L2 a channel
+// (groups of 2: 17 channels in 8 groups of 2 and 1), and of 49 values
+// (7x7), about a hundredth (groups of 50, runs of 2450 values: 128 channels
+// in 50 + 50 + 28). It must give the bits of the two passes, which the other
+// CPUs' path choices take: y, the saved and the running statistics, over
+// two steps; and the reference's numbers.
+TYPED_TEST(BatchNormTest, FusedChannelsFirstTrainingForwardMatchesTwoPasses) {
+  using T = TypeParam;
+  namespace d = normcore::detail;
+  const Index bytes = static_cast<Index>(sizeof(T)), l2 = d::backward_l2_bytes();
+  struct Case {
+    Index inner, C, share, group;  // share: a channel's x is about l2 / share
+  };
+  for (const Case& c : {Case{3136, 17, 5, 2}, Case{49, 128, 100, 50}}) {
+    const Index N = l2 / (c.share * c.inner * bytes);
+    SCOPED_TRACE(::testing::Message() << "N " << N << ", C " << c.C << ", inner " << c.inner);
+    const Index M = N * c.C * c.inner;
+    if (M * bytes > (Index(32) << 20)) GTEST_SKIP() << "an L2 of " << l2 << " bytes";
+    {
+      const nctest::IntelTuning intel(1);
+      ASSERT_EQ(d::fused_channel_group(c.inner, N * c.inner * bytes, 4096), c.group);  // runs of >= 2048
+      ASSERT_GT(M * bytes, l2);
+    }
+    const auto xv = randn<T>(static_cast<std::size_t>(M), 8, 1.5, 2.0);
+    Eigen::TensorMap<const Eigen::Tensor<T, 3, Eigen::RowMajor>> x(xv.data(), N, c.C, c.inner);
+    BatchNorm<T> fused{BatchNormOptions(c.C)}, two{BatchNormOptions(c.C)};
+    randomize(fused, 9);
+    two.weight() = fused.weight();
+    two.bias() = fused.bias();
+    Eigen::Tensor<T, 3, Eigen::RowMajor> yf(N, c.C, c.inner), yt(N, c.C, c.inner);
+    NormStats<T> sf, st;
+    for (int step = 0; step < 2; ++step) {
+      {
+        const nctest::IntelTuning intel(1);
+        fused.forward(x, yf, sf);
+      }
+      {
+        const nctest::IntelTuning other(0);
+        two.forward(x, yt, st);
+      }
+      const auto nc = static_cast<std::size_t>(c.C);
+      EXPECT_TRUE(bit_equal(yf.data(), yt.data(), static_cast<std::size_t>(M))) << step;
+      EXPECT_TRUE(bit_equal(sf.mean.data(), st.mean.data(), nc)) << step;
+      EXPECT_TRUE(bit_equal(sf.rstd.data(), st.rstd.data(), nc)) << step;
+      EXPECT_TRUE(bit_equal(fused.running_mean().data(), two.running_mean().data(), nc)) << step;
+      EXPECT_TRUE(bit_equal(fused.running_var().data(), two.running_var().data(), nc)) << step;
+    }
+    const auto ref_st = normcore::reference::channel_stats(xv.data(), N, c.C, c.inner);
+    const auto ref = normcore::reference::batch_norm_forward(xv.data(), N, c.C, c.inner, ref_st.mean, ref_st.var,
+                                                             fused.weight().data(), fused.bias().data(), 1e-5);
+    double rmax = 0;
+    for (double v : ref_st.var) rmax = std::max(rmax, 1 / std::sqrt(v + 1e-5));
+    EXPECT_LE(max_diff(yf.data(), ref), tol_elem<T>(max_abs(ref) + 1 + 3 * rmax, double(N * c.inner)));
   }
 }
 

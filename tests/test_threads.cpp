@@ -110,6 +110,17 @@ TEST(Threads, BatchNormBitIdenticalForAnyThreadCount) {
   check_batch_norm<-1, double>(1, 1024, 12 * 256 + 17);
 }
 
+// With the Intel path choices, channels-first inputs the L2 does not hold
+// take the fused training forward and the backward's groups within half the
+// L2 (segments of 56x56 and 7x7; sizes from the L2 the tests see), on every
+// thread count; 3 threads keep 8 channels a thread.
+TEST(Threads, BatchNormFusedChannelsFirstBitIdenticalForAnyThreadCount) {
+  const nctest::IntelTuning intel(1);
+  const Index l2 = normcore::detail::backward_l2_bytes();
+  check_batch_norm<1>(std::max<Index>(2, l2 / (20 * 3136 * 4)), 40, 3136);
+  check_batch_norm<1>(std::max<Index>(2, l2 / (100 * 49 * 4)), 128, 49);
+}
+
 // Channels-first segments of a few packets are normalized as one run of
 // packets aligned on y, a packet that straddles two channels selecting each
 // lane's constants. Eval mode (the running statistics: the same constants in

@@ -32,13 +32,14 @@ namespace normcore {
 
 namespace detail {
 
-/// Channels per group of BatchNorm's fused channels-first backward, for
-/// segments of `inner` values and `count` values of `value_bytes` bytes per
-/// channel: enough channels that each run of contiguous values is at least
-/// `run` long (what the hardware prefetcher needs). On Intel CPUs
-/// (intel_tuned), no more than half of the L2 (backward_l2_bytes) holds of
-/// their x and dy, at least one channel: the dx pass then reads them back
-/// from the L2. Measured on an Intel Xeon guest (2 MB of L2, float, two
+/// Channels per group of BatchNorm's fused channels-first passes (the
+/// backward's, and on Intel CPUs the training forward's), for segments of
+/// `inner` values and `channel_bytes` bytes a channel of what the pass reads
+/// twice (x and dy; the forward: x): enough channels that each run of
+/// contiguous values is at least `run` long (what the hardware prefetcher
+/// needs). On Intel CPUs (intel_tuned), no more of them than half of the
+/// L2 (backward_l2_bytes) holds, at least one channel: the second pass
+/// (dx, y) then reads them back from the L2. Measured, for the backward on an Intel Xeon guest (2 MB of L2, float, two
 /// builds of one driver alternating, the same bits): one channel a group
 /// instead of two took 0.92x the time at 32x64x56x56 (0.8 MB of x and dy a
 /// channel), 0.83x at 64x64x56x56 and 0.94x at 32x64x48x48; on 2 threads
@@ -50,11 +51,10 @@ namespace detail {
 /// 64x512x7x7 (2 threads: 0.74-0.86x), 0.98-1.00x at 4x32x7x7,
 /// 8x64x14x14 and 16x256x7x7; 256x256x14x14 (groups of 2 channels, runs of
 /// 392 values) took 1.10x fused and keeps two passes.
-inline Index fused_channel_group(Index inner, Index count, Index value_bytes, Index run) {
+inline Index fused_channel_group(Index inner, Index channel_bytes, Index run) {
   const Index runs = std::max<Index>(1, (run + inner - 1) / std::max<Index>(1, inner));
   if (!intel_tuned()) return runs;
-  const Index per = std::max<Index>(1, 2 * count * value_bytes);
-  return std::max<Index>(1, std::min<Index>(runs, backward_l2_bytes() / 2 / per));
+  return std::max<Index>(1, std::min<Index>(runs, backward_l2_bytes() / 2 / std::max<Index>(1, channel_bytes)));
 }
 
 }  // namespace detail
@@ -423,56 +423,64 @@ class BatchNorm {
           lane_moments(x + c0, C, v.outer, c1 - c0, pivot.data() + c0, w.data() + c0);
           return;
         }
-        if (v.inner < detail::kShortRowPackets * detail::simd<T>::L) {
-          // Short segments (e.g. 7x7): the segments (o, c0..c1) lie side by
-          // side and go through the grouped short-row kernel as rows, each
-          // shifted by its own first value; each is then moved to its
-          // channel's pivot (in double) and merged in order of o.
-          std::vector<Welford<double>> seg(static_cast<std::size_t>(c1 - c0));
-          for (Index o = 0; o < v.outer; ++o) {
-            const T* first = x + (o * C + c0) * v.inner;
-            rows_moments(first, v.inner, v.inner, c1 - c0, seg.data());
-            for (Index c = c0; c < c1; ++c) {
-              const auto& sc = seg[static_cast<std::size_t>(c - c0)];
-              const double shift = static_cast<double>(first[(c - c0) * v.inner]) -
-                                   static_cast<double>(pivot[static_cast<std::size_t>(c)]);
-              w[static_cast<std::size_t>(c)].merge(Welford<double>(sc.count(), sc.mean() + shift, sc.m2()));
-            }
-          }
-          return;
-        }
-        for (Index o = 0; o < v.outer; ++o)
-          for (Index c = c0; c < c1; ++c)
-            w[static_cast<std::size_t>(c)].merge(
-                row_moments(x + (o * C + c) * v.inner, v.inner, pivot[static_cast<std::size_t>(c)]));
+        channels_first_moments(x, v, pivot.data(), w.data(), c0, c1);
       });
     }
-    // Channels whose squares left T's range: exact two-pass in long double.
-    const double n = static_cast<double>(v.outer * v.inner);
-    for (Index c = 0; c < C; ++c) {
-      auto& wc = w[static_cast<std::size_t>(c)];
-      const bool bad = !(std::isfinite(wc.m2()) && std::isfinite(wc.mean())) ||
-                       detail::m2_underflowed<T>(wc.m2(), n, options_.eps());
-      if (!bad) continue;
-      const long double p = pivot[static_cast<std::size_t>(c)];
-      long double sum = 0;
-      bool finite = true;
-      for (Index o = 0; o < v.outer; ++o)
-        for (Index i = 0; i < v.inner; ++i) {
-          const T xv = x[(o * C + c) * v.inner + i];
-          finite = finite && std::isfinite(xv);
-          sum += static_cast<long double>(xv) - p;
+    for (Index c = 0; c < C; ++c) exact_if_needed(x, v, pivot.data(), w.data(), c);
+  }
+
+  // Channels [c0, c1) of a channels-first tensor (inner > 1): each
+  // channel's segments merged into w[c] in order of o, shifted by pivot[c].
+  static void channels_first_moments(const T* x, const View& v, const T* pivot, Welford<double>* w, Index c0,
+                                     Index c1) {
+    const Index C = v.C;
+    if (v.inner < detail::kShortRowPackets * detail::simd<T>::L) {
+      // Short segments (e.g. 7x7): the segments (o, c0..c1) lie side by
+      // side and go through the grouped short-row kernel as rows, each
+      // shifted by its own first value; each is then moved to its
+      // channel's pivot (in double) and merged in order of o.
+      std::vector<Welford<double>> seg(static_cast<std::size_t>(c1 - c0));
+      for (Index o = 0; o < v.outer; ++o) {
+        const T* first = x + (o * C + c0) * v.inner;
+        rows_moments(first, v.inner, v.inner, c1 - c0, seg.data());
+        for (Index c = c0; c < c1; ++c) {
+          const auto& sc = seg[static_cast<std::size_t>(c - c0)];
+          const double shift = static_cast<double>(first[(c - c0) * v.inner]) - static_cast<double>(pivot[c]);
+          w[c].merge(Welford<double>(sc.count(), sc.mean() + shift, sc.m2()));
         }
-      if (!finite) continue;  // NaN or Inf in the channel: NaN is the answer
-      const long double mean = sum / static_cast<long double>(n);
-      long double m2 = 0;
-      for (Index o = 0; o < v.outer; ++o)
-        for (Index i = 0; i < v.inner; ++i) {
-          const long double d = static_cast<long double>(x[(o * C + c) * v.inner + i]) - p - mean;
-          m2 += d * d;
-        }
-      wc = Welford<double>(n, static_cast<double>(mean), static_cast<double>(m2));
+      }
+      return;
     }
+    for (Index o = 0; o < v.outer; ++o)
+      for (Index c = c0; c < c1; ++c) w[c].merge(row_moments(x + (o * C + c) * v.inner, v.inner, pivot[c]));
+  }
+
+  // Channel c, if its squares left T's range: exact two-pass in long double.
+  void exact_if_needed(const T* x, const View& v, const T* pivot, Welford<double>* w, Index c) const {
+    const Index C = v.C;
+    const double n = static_cast<double>(v.outer * v.inner);
+    auto& wc = w[c];
+    const bool bad = !(std::isfinite(wc.m2()) && std::isfinite(wc.mean())) ||
+                     detail::m2_underflowed<T>(wc.m2(), n, options_.eps());
+    if (!bad) return;
+    const long double p = pivot[c];
+    long double sum = 0;
+    bool finite = true;
+    for (Index o = 0; o < v.outer; ++o)
+      for (Index i = 0; i < v.inner; ++i) {
+        const T xv = x[(o * C + c) * v.inner + i];
+        finite = finite && std::isfinite(xv);
+        sum += static_cast<long double>(xv) - p;
+      }
+    if (!finite) return;  // NaN or Inf in the channel: NaN is the answer
+    const long double mean = sum / static_cast<long double>(n);
+    long double m2 = 0;
+    for (Index o = 0; o < v.outer; ++o)
+      for (Index i = 0; i < v.inner; ++i) {
+        const long double d = static_cast<long double>(x[(o * C + c) * v.inner + i]) - p - mean;
+        m2 += d * d;
+      }
+    wc = Welford<double>(n, static_cast<double>(mean), static_cast<double>(m2));
   }
 
   // The batch statistics of the training path: this process's channel
@@ -520,6 +528,11 @@ class BatchNorm {
     detail::check_same_shape(kWho, "output", x, y);
     const Index C = v.C;
     const double eps = options_.eps();
+    const Index group = uses_batch_stats() && !reducer_ ? fused_forward_group(device, v) : 0;
+    if (group > 0) {
+      forward_fused(device, x.data(), y.data(), v, group, saved);
+      return;
+    }
     std::vector<detail::NormCoeffs<T>> k(static_cast<std::size_t>(C));
     if (uses_batch_stats()) {
       std::vector<T> pivot;
@@ -538,20 +551,8 @@ class BatchNorm {
         }
         return;
       }
-      for (Index c = 0; c < C; ++c) {
-        const auto& wc = w[static_cast<std::size_t>(c)];
-        k[static_cast<std::size_t>(c)] = detail::norm_coeffs<T>(pivot[static_cast<std::size_t>(c)], wc.mean(), wc.variance(), eps);
-      }
-      if (training_ && options_.track_running_stats()) {
-        ++num_batches_tracked_;
-        const double f = options_.momentum() ? *options_.momentum() : 1.0 / static_cast<double>(num_batches_tracked_);
-        for (Index c = 0; c < C; ++c) {
-          const auto& wc = w[static_cast<std::size_t>(c)];
-          const double mean = static_cast<double>(pivot[static_cast<std::size_t>(c)]) + wc.mean();
-          running_mean_(c) = static_cast<T>((1 - f) * static_cast<double>(running_mean_(c)) + f * mean);
-          running_var_(c) = static_cast<T>((1 - f) * static_cast<double>(running_var_(c)) + f * wc.sample_variance());
-        }
-      }
+      const double f = momentum_step();
+      for (Index c = 0; c < C; ++c) batch_coeffs(c, pivot.data(), w.data(), f, k.data());
     } else {
       for (Index c = 0; c < C; ++c)
         k[static_cast<std::size_t>(c)] = detail::norm_coeffs<T>(running_mean_(c), 0.0, static_cast<double>(running_var_(c)), eps);
@@ -567,33 +568,137 @@ class BatchNorm {
     normalize(device, x.data(), y.data(), v, k);
   }
 
+  // A training step of the running statistics: counts the batch and
+  // returns the weight of its statistics (momentum, or 1 / batches when
+  // momentum is unset); 0 when the running statistics are not updated.
+  double momentum_step() {
+    if (!(training_ && options_.track_running_stats())) return 0.0;
+    ++num_batches_tracked_;
+    return options_.momentum() ? *options_.momentum() : 1.0 / static_cast<double>(num_batches_tracked_);
+  }
+
+  // Channel c's coefficients from its batch moments (w[c], shifted by
+  // pivot[c]), and its running statistics' update when f (momentum_step)
+  // is not 0. (This and channel_constants run in the fused forward and in
+  // the two passes; their products that meet a sum are explicit fma, so
+  // that the bits do not depend on where GCC's default -ffp-contract=fast
+  // fuses them, which in double differed between the two.)
+  void batch_coeffs(Index c, const T* pivot, const Welford<double>* w, double f, detail::NormCoeffs<T>* k) {
+    const auto& wc = w[c];
+    k[c] = detail::norm_coeffs<T>(pivot[c], wc.mean(), wc.variance(), options_.eps());
+    if (f == 0.0) return;
+    const double mean = static_cast<double>(pivot[c]) + wc.mean();
+    running_mean_(c) = static_cast<T>(std::fma(f, mean, (1 - f) * static_cast<double>(running_mean_(c))));
+    running_var_(c) = static_cast<T>(std::fma(f, wc.sample_variance(), (1 - f) * static_cast<double>(running_var_(c))));
+  }
+
   // y = fma(x - pivot, rstd * gamma, beta - shift * gamma): the affine
-  // transform folded into two per-channel constants.
+  // transform folded into two per-channel constants, here channel c's.
+  void channel_constants(Index c, const detail::NormCoeffs<T>& kc, T* piv, T* sc, T* bs) const {
+    const double g = weight_.size() ? static_cast<double>(weight_(c)) : 1.0;
+    const double b = bias_.size() ? static_cast<double>(bias_(c)) : 0.0;
+    piv[c] = kc.pivot;
+    sc[c] = static_cast<T>(static_cast<double>(kc.rstd) * g);
+    bs[c] = static_cast<T>(std::fma(-static_cast<double>(kc.shift), g, b));
+  }
+
+  // Streaming stores for y on inputs of detail::kStreamingBytes or more
+  // when every packet store lands on a packet boundary: y aligned, and
+  // rows (channels-last) or segments (channels-first) of whole packets;
+  // short segments align their stores on y themselves.
+  static bool streams_y(const T* x, const T* y, const View& v) {
+    constexpr int L = detail::simd<T>::L;
+    const Index total = v.outer * v.C * v.inner;
+    const Index run = v.inner == 1 ? v.C : (v.inner >= L && v.inner < detail::kShortRowPackets * L) ? L : v.inner;
+    return total * static_cast<Index>(sizeof(T)) >= detail::kStreamingBytes && detail::disjoint(x, total, y, total) &&
+           detail::can_stream_rows(y, run);
+  }
+
+  // Channels per group of the fused channels-first training forward
+  // (forward_fused), or 0 for two passes (statistics, then normalize). On
+  // Intel CPUs only, as the fused backward's groups: a group's x within
+  // half the L2 (detail::fused_channel_group), its runs of contiguous
+  // values at least half of kFusedRun, an x the L2 does not hold (else the
+  // normalize reads it from there anyway), enough channels to keep every
+  // thread busy, and more than one value per channel (else the two-pass
+  // path reports the error). Measured on an Intel Xeon guest (2 MB of L2,
+  // float, two builds of one driver alternating, the same bits), against
+  // two passes: 0.73-0.85x the time at 4x256x28x28, 16x64x56x56,
+  // 32x64x56x56, 8x64x112x112, 32x128x28x28, 64x128x28x28,
+  // 16x512x14x14, 32x256x14x14 and 32x512x7x7; 0.92x at 64x512x7x7 and
+  // 0.94x at 64x64x56x56 (runs of 3136 values: 1.02-1.08x in other
+  // runs). On 2 threads 0.77-0.95x. Shorter runs lost: 1.09-1.13x at
+  // 128x128x28x28 (1568), 1.80x at 256x256x14x14 (980); and inputs the L2
+  // holds: 1.13x at 8x64x14x14.
+  template <typename Device>
+  Index fused_forward_group(const Device& device, const View& v) const {
+    const Index count = v.outer * v.inner;
+    if (!detail::intel_tuned() || v.inner <= 1 || count <= 1 || v.C < 8 * static_cast<Index>(device.numThreads()) ||
+        v.C * count * Index(sizeof(T)) <= detail::backward_l2_bytes())
+      return 0;
+    const Index group = detail::fused_channel_group(v.inner, count * Index(sizeof(T)), kFusedRun);
+    return group * v.inner >= kFusedRun / 2 ? group : 0;
+  }
+
+  // The channels-first training forward a group of channels at a time: the
+  // group's moments, coefficients and running statistics, then its
+  // normalize, which reads x back from the L2 rather than memory. Each
+  // channel gets the arithmetic of the two passes (the same moments, merged
+  // in order of o; the same per-value normalize), so the same bits.
+  template <typename Device>
+  void forward_fused(const Device& device, const T* x, T* y, const View& v, Index group, NormStats<T>* saved) {
+    const Index C = v.C;
+    const std::size_t nc = static_cast<std::size_t>(C);
+    std::vector<T> pivot(nc), piv(nc), sc(nc), bs(nc);
+    for (Index c = 0; c < C; ++c) pivot[static_cast<std::size_t>(c)] = x[c * v.inner];
+    std::vector<Welford<double>> w(nc);
+    std::vector<detail::NormCoeffs<T>> k(nc);
+    const double f = momentum_step();
+    if (saved) {
+      detail::resize_vector(saved->mean, C);
+      detail::resize_vector(saved->rstd, C);
+    }
+    const bool stream = streams_y(x, y, v);
+    const detail::Split split = channel_split(device, v);
+    detail::run_parts(device, split.parts, [&](Index p) {
+      const auto body = [&](auto stream_y) {
+        constexpr bool Stream = decltype(stream_y)::value;
+        const Index c1 = split.begin(p + 1);
+        for (Index g0 = split.begin(p); g0 < c1; g0 += group) {
+          const Index g1 = std::min(c1, g0 + group);
+          channels_first_moments(x, v, pivot.data(), w.data(), g0, g1);
+          for (Index c = g0; c < g1; ++c) {
+            exact_if_needed(x, v, pivot.data(), w.data(), c);
+            batch_coeffs(c, pivot.data(), w.data(), f, k.data());
+            channel_constants(c, k[static_cast<std::size_t>(c)], piv.data(), sc.data(), bs.data());
+            if (saved) {
+              saved->mean(c) = k[static_cast<std::size_t>(c)].mean;
+              saved->rstd(c) = k[static_cast<std::size_t>(c)].rstd;
+            }
+          }
+          for (Index o = 0; o < v.outer; ++o)
+            normalize_part<Stream>(x, y, v, o * C + g0, o * C + g1, piv.data(), sc.data(), bs.data(), true);
+        }
+      };
+      if (stream) {
+        body(std::true_type());
+        detail::stream_fence();
+      } else {
+        body(std::false_type());
+      }
+    });
+  }
+
   template <typename Device>
   void normalize(const Device& device, const T* x, T* y, const View& v,
                  const std::vector<detail::NormCoeffs<T>>& k) const {
-    constexpr int L = detail::simd<T>::L;
     const Index C = v.C;
     std::vector<T> piv(static_cast<std::size_t>(C)), sc(static_cast<std::size_t>(C)), bs(static_cast<std::size_t>(C));
-    for (Index c = 0; c < C; ++c) {
-      const auto& kc = k[static_cast<std::size_t>(c)];
-      const double g = weight_.size() ? static_cast<double>(weight_(c)) : 1.0;
-      const double b = bias_.size() ? static_cast<double>(bias_(c)) : 0.0;
-      piv[static_cast<std::size_t>(c)] = kc.pivot;
-      sc[static_cast<std::size_t>(c)] = static_cast<T>(static_cast<double>(kc.rstd) * g);
-      bs[static_cast<std::size_t>(c)] = static_cast<T>(b - static_cast<double>(kc.shift) * g);
-    }
+    for (Index c = 0; c < C; ++c) channel_constants(c, k[static_cast<std::size_t>(c)], piv.data(), sc.data(), bs.data());
     const detail::Split split = segment_split(device, v);
     // Whether any pivot is other than +0 (see normalize_channels_last).
     const bool pivots = std::any_of(piv.begin(), piv.end(), [](T p) { return p != T(0) || std::signbit(p); });
-    // Streaming stores for y on inputs of detail::kStreamingBytes or more
-    // when every packet store lands on a packet boundary: y aligned, and
-    // rows (channels-last) or segments (channels-first) of whole packets;
-    // short segments align their stores on y themselves.
-    const Index total = v.outer * C * v.inner;
-    const Index run = v.inner == 1 ? C : (v.inner >= L && v.inner < detail::kShortRowPackets * L) ? L : v.inner;
-    const bool stream = total * static_cast<Index>(sizeof(T)) >= detail::kStreamingBytes &&
-                        detail::disjoint(x, total, static_cast<const T*>(y), total) && detail::can_stream_rows(y, run);
+    const bool stream = streams_y(x, y, v);
     detail::run_parts(device, split.parts, [&](Index p) {
       const Index s0 = split.begin(p), s1 = split.begin(p + 1);
       if (stream) {
@@ -1095,7 +1200,7 @@ class BatchNorm {
     // Only with enough channels to keep every thread busy (the dx pass alone
     // splits finer, by segments).
     // (inner may be 0: an empty spatial dim, or N = 0 for ColMajor.)
-    const Index group = detail::fused_channel_group(v.inner, local_count, Index(sizeof(T)), kFusedRun);
+    const Index group = detail::fused_channel_group(v.inner, local_count * Index(2 * sizeof(T)), kFusedRun);
     // On Intel CPUs, where a group stays within half the L2, a group's run
     // of contiguous values must be a quarter of kFusedRun long; elsewhere
     // each segment (see kFusedRun).
