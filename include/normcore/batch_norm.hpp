@@ -1203,8 +1203,9 @@ class BatchNorm {
     const Index group = detail::fused_channel_group(v.inner, local_count * Index(2 * sizeof(T)), kFusedRun);
     // On Intel CPUs, where a group stays within half the L2, a group's run
     // of contiguous values must be a quarter of kFusedRun long; elsewhere
-    // each segment (see kFusedRun).
-    const Index run = detail::intel_tuned() ? group * v.inner : v.inner;
+    // each segment (see kFusedRun). Channels first only (inner > 1):
+    // channels-last sums go by chunks of rows, other bits.
+    const Index run = v.inner <= 1 ? 0 : detail::intel_tuned() ? group * v.inner : v.inner;
     const bool fused = dx && run >= kFusedRun / 4 && local_count > 0 && !(reducer_ && batch) &&
                        C >= 8 * static_cast<Index>(device.numThreads()) &&
                        group * local_count * Index(2 * sizeof(T)) <= kFusedBytes;
