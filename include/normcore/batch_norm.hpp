@@ -37,24 +37,25 @@ namespace detail {
 /// `inner` values and `channel_bytes` bytes a channel of what the pass reads
 /// twice (x and dy; the forward: x): enough channels that each run of
 /// contiguous values is at least `run` long (what the hardware prefetcher
-/// needs). On Intel CPUs (intel_tuned), no more of them than half of the
-/// L2 (backward_l2_bytes) holds, at least one channel: the second pass
-/// (dx, y) then reads them back from the L2. Measured, for the backward on an Intel Xeon guest (2 MB of L2, float, two
-/// builds of one driver alternating, the same bits): one channel a group
-/// instead of two took 0.92x the time at 32x64x56x56 (0.8 MB of x and dy a
-/// channel), 0.83x at 64x64x56x56 and 0.94x at 32x64x48x48; on 2 threads
-/// 0.92x and 0.84x. At 128x64x56x56 (3.2 MB a channel, so no longer two
-/// channels under the fused size limit: two passes before) 0.96x. With
-/// groups that small, shorter segments fuse too when a group's run is long
-/// enough (BatchNorm::backward_impl): against two passes, 0.72-0.86x the
-/// time at 16x512x14x14, 32x64x28x28, 64x128x28x28, 32x256x7x7 and
-/// 64x512x7x7 (2 threads: 0.74-0.86x), 0.98-1.00x at 4x32x7x7,
-/// 8x64x14x14 and 16x256x7x7; 256x256x14x14 (groups of 2 channels, runs of
-/// 392 values) took 1.10x fused and keeps two passes.
+/// needs). On Intel CPUs (intel_tuned), no more of them than half of the L2
+/// (backward_l2_bytes) holds, at least one channel: the second pass (dx, y)
+/// then reads them back from the L2. Measured, for the backward on an Intel
+/// Xeon guest (2 MB of L2, float, two builds of one driver alternating, the
+/// same bits): one channel a group instead of two took 0.92x the time at
+/// 32x64x56x56 (0.8 MB of x and dy a channel), 0.83x at 64x64x56x56 and 0.94x
+/// at 32x64x48x48; on 2 threads 0.92x and 0.84x. At 128x64x56x56 (3.2 MB a
+/// channel, so no longer two channels under the fused size limit: two passes
+/// before) 0.96x. With groups that small, shorter segments fuse too when a
+/// group's run is long enough (BatchNorm::backward_impl): against two passes,
+/// 0.72-0.86x the time at 16x512x14x14, 32x64x28x28, 64x128x28x28, 32x256x7x7
+/// and 64x512x7x7 (2 threads: 0.74-0.86x), 0.98-1.00x at 4x32x7x7, 8x64x14x14
+/// and 16x256x7x7; 256x256x14x14 (groups of 2 channels, runs of 392 values)
+/// took 1.10x fused and keeps two passes.
 inline Index fused_channel_group(Index inner, Index channel_bytes, Index run) {
   const Index runs = std::max<Index>(1, (run + inner - 1) / std::max<Index>(1, inner));
   if (!intel_tuned()) return runs;
-  return std::max<Index>(1, std::min<Index>(runs, backward_l2_bytes() / 2 / std::max<Index>(1, channel_bytes)));
+  const Index fit = backward_l2_bytes() / 2 / std::max<Index>(1, channel_bytes);
+  return std::max<Index>(1, std::min<Index>(runs, fit));
 }
 
 }  // namespace detail
@@ -589,7 +590,8 @@ class BatchNorm {
     if (f == 0.0) return;
     const double mean = static_cast<double>(pivot[c]) + wc.mean();
     running_mean_(c) = static_cast<T>(std::fma(f, mean, (1 - f) * static_cast<double>(running_mean_(c))));
-    running_var_(c) = static_cast<T>(std::fma(f, wc.sample_variance(), (1 - f) * static_cast<double>(running_var_(c))));
+    const double var = wc.sample_variance();
+    running_var_(c) = static_cast<T>(std::fma(f, var, (1 - f) * static_cast<double>(running_var_(c))));
   }
 
   // y = fma(x - pivot, rstd * gamma, beta - shift * gamma): the affine
@@ -694,7 +696,8 @@ class BatchNorm {
                  const std::vector<detail::NormCoeffs<T>>& k) const {
     const Index C = v.C;
     std::vector<T> piv(static_cast<std::size_t>(C)), sc(static_cast<std::size_t>(C)), bs(static_cast<std::size_t>(C));
-    for (Index c = 0; c < C; ++c) channel_constants(c, k[static_cast<std::size_t>(c)], piv.data(), sc.data(), bs.data());
+    for (Index c = 0; c < C; ++c)
+      channel_constants(c, k[static_cast<std::size_t>(c)], piv.data(), sc.data(), bs.data());
     const detail::Split split = segment_split(device, v);
     // Whether any pivot is other than +0 (see normalize_channels_last).
     const bool pivots = std::any_of(piv.begin(), piv.end(), [](T p) { return p != T(0) || std::signbit(p); });
