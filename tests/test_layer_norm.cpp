@@ -238,6 +238,50 @@ TYPED_TEST(LayerNormTest, BatchSizeIndependenceBitForBit) {
   }
 }
 
+// Fewer rows than one block of the parameter sums (64) write dweight and
+// dbias straight from their T sums; more rows go through the double group
+// sums. Rows of dy = 0 added after the real ones change no sum (x + 0 = x,
+// and a zero sum ends as +0 either way), so the same rows padded to 130
+// must give the same dweight, dbias and dx bits. Short and long rows, and
+// the fused residual backward.
+TYPED_TEST(LayerNormTest, OneBlockBackwardSameBitsAsPaddedBatch) {
+  using T = TypeParam;
+  const Index padded = 130;
+  for (Index n : {Index(50), Index(768)}) {
+    LayerNorm<T> ln(LayerNormOptions({n}));
+    randomize_params(ln, 3);
+    const auto xs = randn<T>(static_cast<std::size_t>(padded * n), 21, 0.5, 2.0);
+    auto gs = randn<T>(static_cast<std::size_t>(padded * n), 22);
+    for (Index rows : {Index(1), Index(7), Index(63)}) {
+      SCOPED_TRACE(::testing::Message() << rows << "x" << n);
+      std::vector<T> g(gs);
+      std::fill(g.begin() + rows * n, g.end(), T(0));
+      MapC<T, Eigen::RowMajor> xa(xs.data(), rows, n), ga(g.data(), rows, n), xp(xs.data(), padded, n),
+          gp(g.data(), padded, n);
+      NormStats<T> sa, sp;
+      Mat<T, Eigen::RowMajor> ya(rows, n), yp(padded, n), dxa(rows, n), dxp(padded, n);
+      ln.forward(xa, ya, sa);
+      ln.forward(xp, yp, sp);
+      Eigen::Tensor<T, 1> dwa, dba, dwp, dbp;
+      ln.backward(xa, ga, &dxa, &dwa, &dba, &sa);
+      ln.backward(xp, gp, &dxp, &dwp, &dbp, &sp);
+      const auto un = static_cast<std::size_t>(n);
+      EXPECT_TRUE(bit_equal(dwa.data(), dwp.data(), un));
+      EXPECT_TRUE(bit_equal(dba.data(), dbp.data(), un));
+      EXPECT_TRUE(bit_equal(dxa.data(), dxp.data(), static_cast<std::size_t>(rows * n)));
+      // The fused residual backward (dh_next added to dx) takes the same sums.
+      Mat<T, Eigen::RowMajor> ha(rows, n), hp(padded, n);
+      Eigen::Tensor<T, 1> hwa, hba, hwp, hbp;
+      ln.backward_add(xa, ga, &ga, &ha, &hwa, &hba, &sa);
+      ln.backward_add(xp, gp, &gp, &hp, &hwp, &hbp, &sp);
+      EXPECT_TRUE(bit_equal(hwa.data(), dwa.data(), un));
+      EXPECT_TRUE(bit_equal(hwp.data(), dwp.data(), un));
+      EXPECT_TRUE(bit_equal(hba.data(), hbp.data(), un));
+      EXPECT_TRUE(bit_equal(ha.data(), hp.data(), static_cast<std::size_t>(rows * n)));
+    }
+  }
+}
+
 // Full groups of short rows with weight and bias are normalized a packet
 // column at a time where the build has 32 vector registers
 // (detail::normalize_group: masked tail for AVX-512 floats, a scalar tail

@@ -917,8 +917,14 @@ class LayerNorm {
       rstd = sr;
     }
     const std::size_t gn = static_cast<std::size_t>(groups * n);
+    // Fewer rows than one block (RowMajor, read as stored): the block's T
+    // sums go straight to dweight and dbias (GradAcc::emit), as the group
+    // sums would give them, and the double sums below are never written
+    // (their pointers only say which gradients to accumulate), so they are
+    // not zeroed.
+    const bool one_block = xv.row_major && !staged && rows < kRowBlock;
     // Per-group sums of dweight and dbias (detail::Scratch: kept between calls).
-    detail::Scratch<double> part((dweight ? gn : 0) + (dbias ? gn : 0), true);
+    detail::Scratch<double> part((dweight ? gn : 0) + (dbias ? gn : 0), !one_block);
     double* const dw_part = part.data();
     double* const db_part = part.data() + (dweight ? gn : 0);
     const bool stream_dx = xv.row_major && detail::stream_gradient<S, T>(xv.data, dyp, dhp, dxp, rows, n,
@@ -965,7 +971,11 @@ class LayerNorm {
           } else {
             rows_of(std::false_type());
           }
-          if (acc.rows) acc.flush(dw, db);
+          if (one_block) {
+            acc.emit(dweight, dbias);
+          } else if (acc.rows) {
+            acc.flush(dw, db);
+          }
         } else if constexpr (!wide) {  // (16-bit ColMajor inputs arrive widened)
           const detail::ColMajorResidual<T> residual(dxp, dhp, rows, n, r0, r1);  // added after
           backward_colmajor(xv.data, dyp, dxp, rows, r0, r1, n, mean, rstd, pv.gamma, dw, db);
@@ -978,6 +988,7 @@ class LayerNorm {
     std::vector<Index> perm;
     const bool permute = !xv.row_major && options_.normalized_shape().size() > 1;
     if (permute) perm = detail::colmajor_to_rowmajor(options_.normalized_shape());
+    if (one_block) return;
     if (dweight) detail::emit_group_sums(dw_part, groups, n, permute ? &perm : nullptr, *dweight);
     if (dbias) detail::emit_group_sums(db_part, groups, n, permute ? &perm : nullptr, *dbias);
   }
@@ -1012,6 +1023,18 @@ class LayerNorm {
         b[j] = T(0);
       }
       rows = 0;
+    }
+    // The gradients of one group of one block: what flush into zeroed
+    // double sums and detail::emit_group_sums of that one group write, the
+    // same bits (0.0 + each sum, as P), without the double sums.
+    void emit(Eigen::Tensor<P, 1>* dweight, Eigen::Tensor<P, 1>* dbias) const {
+      const auto out = [](const std::vector<T>& s, Eigen::Tensor<P, 1>& o) {
+        detail::resize_vector(o, static_cast<Index>(s.size()));
+        P* d = o.data();
+        for (std::size_t j = 0; j < s.size(); ++j) d[j] = static_cast<P>(0.0 + static_cast<double>(s[j]));
+      };
+      if (dweight) out(w, *dweight);
+      if (dbias) out(b, *dbias);
     }
   };
 
