@@ -553,7 +553,7 @@ class BatchNorm {
         return;
       }
       const double f = momentum_step();
-      for (Index c = 0; c < C; ++c) batch_coeffs(c, pivot.data(), w.data(), f, k.data());
+      for (Index c = 0; c < C; ++c) k[static_cast<std::size_t>(c)] = batch_coeffs(c, pivot.data(), w.data(), f);
     } else {
       for (Index c = 0; c < C; ++c)
         k[static_cast<std::size_t>(c)] = detail::norm_coeffs<T>(running_mean_(c), 0.0, static_cast<double>(running_var_(c)), eps);
@@ -578,20 +578,21 @@ class BatchNorm {
     return options_.momentum() ? *options_.momentum() : 1.0 / static_cast<double>(num_batches_tracked_);
   }
 
-  // Channel c's coefficients from its batch moments (w[c], shifted by
+  // Returns channel c's coefficients from its batch moments (w[c], shifted by
   // pivot[c]), and its running statistics' update when f (momentum_step)
   // is not 0. (This and channel_constants run in the fused forward and in
   // the two passes; their products that meet a sum are explicit fma, so
   // that the bits do not depend on where GCC's default -ffp-contract=fast
   // fuses them, which in double differed between the two.)
-  void batch_coeffs(Index c, const T* pivot, const Welford<double>* w, double f, detail::NormCoeffs<T>* k) {
+  detail::NormCoeffs<T> batch_coeffs(Index c, const T* pivot, const Welford<double>* w, double f) {
     const auto& wc = w[c];
-    k[c] = detail::norm_coeffs<T>(pivot[c], wc.mean(), wc.variance(), options_.eps());
-    if (f == 0.0) return;
+    const auto k = detail::norm_coeffs<T>(pivot[c], wc.mean(), wc.variance(), options_.eps());
+    if (f == 0.0) return k;
     const double mean = static_cast<double>(pivot[c]) + wc.mean();
     running_mean_(c) = static_cast<T>(std::fma(f, mean, (1 - f) * static_cast<double>(running_mean_(c))));
     const double var = wc.sample_variance();
     running_var_(c) = static_cast<T>(std::fma(f, var, (1 - f) * static_cast<double>(running_var_(c))));
+    return k;
   }
 
   // y = fma(x - pivot, rstd * gamma, beta - shift * gamma): the affine
@@ -654,7 +655,6 @@ class BatchNorm {
     std::vector<T> pivot(nc), piv(nc), sc(nc), bs(nc);
     for (Index c = 0; c < C; ++c) pivot[static_cast<std::size_t>(c)] = x[c * v.inner];
     std::vector<Welford<double>> w(nc);
-    std::vector<detail::NormCoeffs<T>> k(nc);
     const double f = momentum_step();
     if (saved) {
       detail::resize_vector(saved->mean, C);
@@ -671,11 +671,11 @@ class BatchNorm {
           channels_first_moments(x, v, pivot.data(), w.data(), g0, g1);
           for (Index c = g0; c < g1; ++c) {
             exact_if_needed(x, v, pivot.data(), w.data(), c);
-            batch_coeffs(c, pivot.data(), w.data(), f, k.data());
-            channel_constants(c, k[static_cast<std::size_t>(c)], piv.data(), sc.data(), bs.data());
+            const auto kc = batch_coeffs(c, pivot.data(), w.data(), f);
+            channel_constants(c, kc, piv.data(), sc.data(), bs.data());
             if (saved) {
-              saved->mean(c) = k[static_cast<std::size_t>(c)].mean;
-              saved->rstd(c) = k[static_cast<std::size_t>(c)].rstd;
+              saved->mean(c) = kc.mean;
+              saved->rstd(c) = kc.rstd;
             }
           }
           for (Index o = 0; o < v.outer; ++o)

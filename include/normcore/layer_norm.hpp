@@ -984,11 +984,11 @@ class LayerNorm {
       }
       if (stream_dx) detail::stream_fence();
     });
+    if (one_block) return;  // (GradAcc::emit wrote them)
     // Groups in order, then back to PyTorch's (row-major) flattening.
     std::vector<Index> perm;
     const bool permute = !xv.row_major && options_.normalized_shape().size() > 1;
     if (permute) perm = detail::colmajor_to_rowmajor(options_.normalized_shape());
-    if (one_block) return;
     if (dweight) detail::emit_group_sums(dw_part, groups, n, permute ? &perm : nullptr, *dweight);
     if (dbias) detail::emit_group_sums(db_part, groups, n, permute ? &perm : nullptr, *dbias);
   }
