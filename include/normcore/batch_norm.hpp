@@ -578,9 +578,9 @@ class BatchNorm {
     return options_.momentum() ? *options_.momentum() : 1.0 / static_cast<double>(num_batches_tracked_);
   }
 
-  // Returns channel c's coefficients from its batch moments (w[c], shifted by
-  // pivot[c]), and its running statistics' update when f (momentum_step)
-  // is not 0. (This and channel_constants run in the fused forward and in
+  // Channel c's coefficients from its batch moments (w[c], shifted by
+  // pivot[c]); when f (momentum_step) is not 0, it also updates channel c's
+  // running statistics. (This and channel_constants run in the fused forward and in
   // the two passes; their products that meet a sum are explicit fma, so
   // that the bits do not depend on where GCC's default -ffp-contract=fast
   // fuses them, which in double differed between the two.)
