@@ -222,6 +222,61 @@ TYPED_TEST(RMSNormTest, LargeInputForwardSameBitsAsSmallCalls) {
 // Backward inputs over the L2, under the streaming gate: on Intel CPUs dx
 // with streaming stores (nctest::check_l2_backward), with both sets of path
 // choices. Rows of 1 KB (the shortest that stream) and 1024 values.
+// Fewer rows than one block of dweight's sums (64) write dweight straight
+// from the block's T sums, without the zeroed double sums (GradAcc::emit),
+// unless a row takes the exact path. Against the same rows padded to 130
+// with dy = 0, which take the group sums: dweight and dx bit for bit, with
+// the statistics saved and recomputed, and with the block's last row made of
+// values near T's largest (eps 0: its rstd is not a normal T, and its exact
+// path adds into the double sums). The padded call runs first, so the
+// scratch the one-block call gets holds its sums.
+TYPED_TEST(RMSNormTest, OneBlockBackwardSameBitsAsPaddedBatch) {
+  using T = TypeParam;
+  using Map = Eigen::TensorMap<const Eigen::Tensor<T, 2, Eigen::RowMajor>>;
+  using Out = Eigen::Tensor<T, 2, Eigen::RowMajor>;
+  const Index padded = 130;
+  for (Index n : {Index(50), Index(768)}) {
+    RMSNorm<T> rn(RMSNormOptions({n}).eps(0.0));
+    const auto gv = randn<T>(static_cast<std::size_t>(n), 31, 1.0, 0.5);
+    std::copy(gv.begin(), gv.end(), rn.weight().data());
+    const auto xs0 = randn<T>(static_cast<std::size_t>(padded * n), 32, 0.5, 2.0);
+    const auto gs = randn<T>(static_cast<std::size_t>(padded * n), 33);
+    for (Index rows : {Index(1), Index(7), Index(63)}) {
+      for (bool extreme : {false, true}) {
+        SCOPED_TRACE(::testing::Message() << rows << "x" << n << (extreme ? ", extreme last row" : ""));
+        std::vector<T> xs(xs0), g(gs);
+        if (extreme) {
+          for (Index j = 0; j < n; ++j)
+            xs[static_cast<std::size_t>((rows - 1) * n + j)] =
+                static_cast<T>((j % 2 ? -0.5 : 0.9) * std::numeric_limits<T>::max());
+        }
+        std::fill(g.begin() + rows * n, g.end(), T(0));
+        Map xa(xs.data(), rows, n), ga(g.data(), rows, n), xp(xs.data(), padded, n), gp(g.data(), padded, n);
+        NormStats<T> sa, sp;
+        Out ya(rows, n), yp(padded, n), dxa(rows, n), dxp(padded, n), dxa2(rows, n);
+        rn.forward(xa, ya, sa);
+        rn.forward(xp, yp, sp);
+        Eigen::Tensor<T, 1> dwa, dwp, dwa2;
+        rn.backward(xp, gp, &dxp, &dwp, &sp);
+        rn.backward(xa, ga, &dxa, &dwa, &sa);
+        rn.backward(xp, gp, &dxp, &dwp);
+        rn.backward(xa, ga, &dxa2, &dwa2);
+        const auto un = static_cast<std::size_t>(n);
+        EXPECT_TRUE(bit_equal(dwa.data(), dwp.data(), un));
+        EXPECT_TRUE(bit_equal(dwa2.data(), dwp.data(), un));
+        EXPECT_TRUE(bit_equal(dxa.data(), dxp.data(), static_cast<std::size_t>(rows * n)));
+        EXPECT_TRUE(bit_equal(dxa2.data(), dxp.data(), static_cast<std::size_t>(rows * n)));
+        // The reference, for the one-block sums themselves.
+        const auto ref = normcore::reference::rms_norm_backward(xs.data(), g.data(), rows, n, rn.weight().data(), 0.0);
+        for (Index j = 0; j < n; ++j) {
+          const double want = ref.dweight[static_cast<std::size_t>(j)];
+          EXPECT_NEAR(double(dwa(j)), want, 1e-4 * (1.0 + std::fabs(want))) << "j=" << j;
+        }
+      }
+    }
+  }
+}
+
 TYPED_TEST(RMSNormTest, L2SizedBackwardSameBitsAsSmallCalls) {
   using T = TypeParam;
   for (int tuning : {0, 1}) {

@@ -643,8 +643,14 @@ class RMSNorm {
     const auto pv = detail::param_view(!xv.row_major, options_.normalized_shape(), prm.gamma,
                                        static_cast<const T*>(nullptr), n);
     const T* g = pv.gamma;
+    // Fewer rows than one block (RowMajor, read as stored): as in LayerNorm's
+    // backward, the block's T sums go straight to dweight (GradAcc::emit) and
+    // the double sums are not zeroed, unless a row takes the exact path,
+    // which adds its terms into them (they are zeroed then, before it).
+    const bool one_block = xv.row_major && !staged && rows < kRowBlock;
+    bool exact_rows = false;  // a row of the one block took the exact path
     // Per-group sums of dweight (detail::Scratch: kept between calls).
-    detail::Scratch<double> dw_part(dweight ? static_cast<std::size_t>(groups * n) : 0, true);
+    detail::Scratch<double> dw_part(dweight ? static_cast<std::size_t>(groups * n) : 0, !one_block);
     const bool stream_dx = xv.row_major && detail::stream_gradient<S, T>(xv.data, dyp, dhp, dx, rows, n,
                                                                          detail::threads_for(device, parts));
     const bool ahead = detail::prefetch_next_row<S, T>(rows, n);
@@ -713,6 +719,10 @@ class RMSNorm {
             } else {
               rows_rstd(x_as_t(), n, m, r.data());
             }
+            if (one_block && dwp && !exact_rows) {
+              for (std::size_t i = 0; i < r.size(); ++i) exact_rows = exact_rows || !detail::normal_in<T>(r[i]);
+              if (exact_rows) std::fill(dwp, dwp + n, 0.0);
+            }
             if constexpr (wide && !staged) {
               backward_rows<false>(xv.data + b0 * n, dyp + b0 * n, dx ? dx + b0 * n : nullptr, m, n, r.data(), g,
                                    dwp, dhp ? dhp + b0 * n : nullptr, gacc);
@@ -725,7 +735,11 @@ class RMSNorm {
               if (dx) detail::convert_n(bdx, dx + b0 * n, m * n);
             }
           }
-          if (gacc.rows) gacc.flush(dwp);
+          if (one_block && !exact_rows) {
+            if (dweight) gacc.emit(*dweight);
+          } else if (gacc.rows) {
+            gacc.flush(dwp);
+          }
           continue;
         }
         if constexpr (!wide) {
@@ -736,7 +750,7 @@ class RMSNorm {
       }
       if (stream_dx) detail::stream_fence();
     });
-    if (dweight) {
+    if (dweight && !(one_block && !exact_rows)) {
       std::vector<Index> perm;
       const bool permute = !xv.row_major && options_.normalized_shape().size() > 1;
       if (permute) perm = detail::colmajor_to_rowmajor(options_.normalized_shape());
@@ -760,6 +774,14 @@ class RMSNorm {
         w[j] = T(0);
       }
       rows = 0;
+    }
+    // dweight from one group of one block: what flush into zeroed double
+    // sums and detail::emit_group_sums of that one group write, the same
+    // bits (0.0 + each sum, as P), without the double sums.
+    void emit(Eigen::Tensor<P, 1>& dweight) const {
+      detail::resize_vector(dweight, static_cast<Index>(w.size()));
+      P* d = dweight.data();
+      for (std::size_t j = 0; j < w.size(); ++j) d[j] = static_cast<P>(0.0 + static_cast<double>(w[j]));
     }
   };
 
