@@ -580,10 +580,11 @@ class BatchNorm {
 
   // Channel c's coefficients from its batch moments (w[c], shifted by
   // pivot[c]); when f (momentum_step) is not 0, it also updates channel c's
-  // running statistics. (This and channel_constants run in the fused forward and in
-  // the two passes; their products that meet a sum are explicit fma, so
-  // that the bits do not depend on where GCC's default -ffp-contract=fast
-  // fuses them, which in double differed between the two.)
+  // running statistics. (This and channel_constants run in the fused
+  // forward and in the two passes; their products that meet a sum are
+  // explicit fma, so that the bits do not depend on where GCC's default
+  // -ffp-contract=fast fuses them, which in double differed between the
+  // two.)
   detail::NormCoeffs<T> batch_coeffs(Index c, const T* pivot, const Welford<double>* w, double f) {
     const auto& wc = w[c];
     const auto k = detail::norm_coeffs<T>(pivot[c], wc.mean(), wc.variance(), options_.eps());
