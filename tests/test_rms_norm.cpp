@@ -220,7 +220,7 @@ TYPED_TEST(RMSNormTest, LargeInputForwardSameBitsAsSmallCalls) {
 }
 
 // Fewer rows than one block of dweight's sums (64) write dweight straight
-// from the block's T sums, without the zeroed double sums (GradAcc::emit),
+// from the block's T sums, without the zeroed double sums (detail::emit_block_sums),
 // unless a row takes the exact path. Against the same rows padded to 130
 // with dy = 0, which take the group sums: dweight and dx bit for bit, with
 // the statistics saved and recomputed, and with the block's last row made of

@@ -61,6 +61,17 @@ void emit_group_sums(double* part, Index groups, Index n, const std::vector<Inde
   }
 }
 
+/// A parameter gradient from the T sums of one block of rows in one group:
+/// what those sums added into zeroed double sums and emit_group_sums of the
+/// one group give, the same bits (0.0 + each sum, rounded to P), without
+/// the double sums (the row-wise backwards on fewer rows than one block).
+template <typename T, typename P>
+void emit_block_sums(const std::vector<T>& sums, Eigen::Tensor<P, 1>& out) {
+  resize_vector(out, static_cast<Index>(sums.size()));
+  P* o = out.data();
+  for (std::size_t c = 0; c < sums.size(); ++c) o[c] = static_cast<P>(0.0 + static_cast<double>(sums[c]));
+}
+
 template <typename T>
 void check_stats(const char* who, const Eigen::Tensor<T, 1>& v, const char* what, Index n) {
   if (v.dimension(0) != n) {

@@ -1024,17 +1024,10 @@ class LayerNorm {
       }
       rows = 0;
     }
-    // The gradients of one group of one block: what flush into zeroed
-    // double sums and detail::emit_group_sums of that one group write, the
-    // same bits (0.0 + each sum, as P), without the double sums.
+    // The gradients of one group of one block (detail::emit_block_sums).
     void emit(Eigen::Tensor<P, 1>* dweight, Eigen::Tensor<P, 1>* dbias) const {
-      const auto out = [](const std::vector<T>& s, Eigen::Tensor<P, 1>& o) {
-        detail::resize_vector(o, static_cast<Index>(s.size()));
-        P* d = o.data();
-        for (std::size_t j = 0; j < s.size(); ++j) d[j] = static_cast<P>(0.0 + static_cast<double>(s[j]));
-      };
-      if (dweight) out(w, *dweight);
-      if (dbias) out(b, *dbias);
+      if (dweight) detail::emit_block_sums(w, *dweight);
+      if (dbias) detail::emit_block_sums(b, *dbias);
     }
   };
 

@@ -644,7 +644,7 @@ class RMSNorm {
                                        static_cast<const T*>(nullptr), n);
     const T* g = pv.gamma;
     // Fewer rows than one block (RowMajor, read as stored): as in LayerNorm's
-    // backward, the block's T sums go straight to dweight (GradAcc::emit) and
+    // backward, the block's T sums go straight to dweight (emit_block_sums) and
     // the double sums are not zeroed, unless a row takes the exact path,
     // which adds its terms into them (they are zeroed then, before it).
     const bool one_block = xv.row_major && !staged && rows < kRowBlock;
@@ -736,7 +736,7 @@ class RMSNorm {
             }
           }
           if (one_block && !exact_rows) {
-            if (dweight) gacc.emit(*dweight);
+            if (dweight) detail::emit_block_sums(gacc.w, *dweight);
           } else if (gacc.rows) {
             gacc.flush(dwp);
           }
@@ -774,14 +774,6 @@ class RMSNorm {
         w[j] = T(0);
       }
       rows = 0;
-    }
-    // dweight from one group of one block: what flush into zeroed double
-    // sums and detail::emit_group_sums of that one group write, the same
-    // bits (0.0 + each sum, as P), without the double sums.
-    void emit(Eigen::Tensor<P, 1>& dweight) const {
-      detail::resize_vector(dweight, static_cast<Index>(w.size()));
-      P* d = dweight.data();
-      for (std::size_t j = 0; j < w.size(); ++j) d[j] = static_cast<P>(0.0 + static_cast<double>(w[j]));
     }
   };
 
