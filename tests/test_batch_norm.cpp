@@ -338,9 +338,9 @@ TYPED_TEST(BatchNormTest, FusedChannelsFirstBackwardMatchesTwoPasses) {
 // with about a sixth of the L2 a channel: groups of 3 channels instead of
 // the 4 that runs of 4096 values need (9 channels: 3 + 3 + 3, against
 // 4 + 4 + 1). Segments of 49 values (7x7) with about a fiftieth of it a
-// channel: fused in groups of 25 (runs of 1225 values: 60 channels in
-// 25 + 25 + 10), against two passes elsewhere. Both sets of path choices,
-// on any machine; the same bits as two passes.
+// channel: fused in groups of 25 or 26, by the L2's size (runs of about
+// 1225 values: 60 channels in 25 + 25 + 10), against two passes elsewhere.
+// Both sets of path choices, on any machine; the same bits as two passes.
 TYPED_TEST(BatchNormTest, FusedChannelsFirstBackwardGroupsWithinHalfTheL2) {
   using T = TypeParam;
   namespace d = normcore::detail;
@@ -351,10 +351,15 @@ TYPED_TEST(BatchNormTest, FusedChannelsFirstBackwardGroupsWithinHalfTheL2) {
   for (const Case& c : {Case{1024, 9, 6, 3, 4}, Case{49, 60, 50, 25, 84}}) {
     const Index N = l2 / (c.share * 2 * c.inner * bytes);
     if (N * c.C * c.inner * bytes > (Index(16) << 20)) GTEST_SKIP() << "an L2 of " << l2 << " bytes";
+    // The most channels whose x and dy fit in half the L2: about share / 2,
+    // the floor of the division depending on the L2's size.
+    const Index fit = l2 / 2 / (2 * N * c.inner * bytes);
+    ASSERT_GE(fit, c.intel);
+    ASSERT_LE(fit, c.intel + 1);
     for (int tuning : {0, 1}) {
       SCOPED_TRACE(::testing::Message() << "intel tuning " << tuning);
       const nctest::IntelTuning paths(tuning);
-      ASSERT_EQ(d::fused_channel_group(c.inner, 2 * N * c.inner * bytes, 4096), tuning ? c.intel : c.other);
+      ASSERT_EQ(d::fused_channel_group(c.inner, 2 * N * c.inner * bytes, 4096), tuning ? std::min(fit, c.other) : c.other);
       check_fused_backward<T>(N, c.C, c.inner);
     }
   }
@@ -365,10 +370,11 @@ TYPED_TEST(BatchNormTest, FusedChannelsFirstBackwardGroupsWithinHalfTheL2) {
 // group's normalize from the L2), when the group's runs are long enough:
 // segments of 3136 values (56x56), about a fifth of the L2 a channel
 // (groups of 2: 17 channels in 8 groups of 2 and 1), and of 49 values
-// (7x7), about a hundredth (groups of 50, runs of 2450 values: 128 channels
-// in 50 + 50 + 28). It must give the bits of the two passes, which the other
-// CPUs' path choices take: y, the saved and the running statistics, over
-// two steps; and the reference's numbers.
+// (7x7), about a hundredth (groups of 50 or 51, by the L2's size: runs of
+// about 2450 values, 128 channels in 50 + 50 + 28 or 51 + 51 + 26). It
+// must give the bits of the two passes, which the other CPUs' path choices
+// take: y, the saved and the running statistics, over two steps; and the
+// reference's numbers.
 TYPED_TEST(BatchNormTest, FusedChannelsFirstTrainingForwardMatchesTwoPasses) {
   using T = TypeParam;
   namespace d = normcore::detail;
@@ -382,8 +388,14 @@ TYPED_TEST(BatchNormTest, FusedChannelsFirstTrainingForwardMatchesTwoPasses) {
     const Index M = N * c.C * c.inner;
     if (M * bytes > (Index(32) << 20)) GTEST_SKIP() << "an L2 of " << l2 << " bytes";
     {
+      // The most channels whose x fits in half the L2: about share / 2 (the
+      // floor of the division depends on the L2's size), fewer than C.
+      const Index fit = l2 / 2 / (N * c.inner * bytes);
+      ASSERT_GE(fit, c.group);
+      ASSERT_LE(fit, c.group + 1);
+      ASSERT_LT(fit, c.C);
       const nctest::IntelTuning intel(1);
-      ASSERT_EQ(d::fused_channel_group(c.inner, N * c.inner * bytes, 4096), c.group);  // runs of >= 2048
+      ASSERT_EQ(d::fused_channel_group(c.inner, N * c.inner * bytes, 4096), fit);  // runs of >= 2048
       ASSERT_GT(M * bytes, l2);
     }
     const auto xv = randn<T>(static_cast<std::size_t>(M), 8, 1.5, 2.0);
