@@ -226,9 +226,9 @@ void check_batch_independence(Index n) {
 TYPED_TEST(LayerNormTest, BatchSizeIndependenceBitForBit) {
   // Around the shortest long row too: one row alone takes its own path
   // from there on (LayerNorm::forward_rows), rows of a batch their groups'.
-  // With both sets of path choices (LayerNorm::intel_streaming).
+  // With every set of path choices (LayerNorm::tuned_streaming).
   constexpr Index kLong = normcore::detail::kShortMomentsValues<TypeParam>;
-  for (int tuning : {0, 1}) {
+  for (int tuning : {0, 1, 2}) {
     const nctest::IntelTuning paths(tuning);
     SCOPED_TRACE(::testing::Message() << "Intel tuning " << tuning);
     for (Index n : {Index(1), Index(17), Index(64), kLong - 1, kLong, Index(768), Index(1000)}) {
@@ -324,10 +324,10 @@ void check_group_normalize_same_bits_as_row_alone() {
   }
 }
 
-// With both sets of path choices: on Intel CPUs (LayerNorm::intel_streaming)
+// With every set of path choices: on Intel CPUs (LayerNorm::tuned_streaming)
 // the 19 long rows take the streaming path, elsewhere groups.
 TYPED_TEST(LayerNormTest, GroupNormalizeSameBitsAsRowAlone) {
-  for (int tuning : {0, 1}) {
+  for (int tuning : {0, 1, 2}) {
     const nctest::IntelTuning paths(tuning);
     SCOPED_TRACE(::testing::Message() << "Intel tuning " << tuning);
     check_group_normalize_same_bits_as_row_alone<TypeParam>();
@@ -382,9 +382,9 @@ TEST(ForwardStreamThreshold, SetAndRestore) {
 // short rows in groups that prefetch the next group, long rows one at a
 // time. The same bits as the same rows in calls below the threshold (in
 // groups, without prefetch, with the other CPUs' path choices; with the
-// Intel ones, which take the streaming path below the threshold too, see
-// LayerNorm::intel_streaming, the rows taken alone are the independent
-// check), for short rows (groups of 8) and long rows
+// Intel and the Zen 5 ones, which take the streaming path below the
+// threshold too, see LayerNorm::tuned_streaming, the rows taken alone are
+// the independent check), for short rows (groups of 8) and long rows
 // that leave a tail (groups of 4 below the threshold) or not (rows of 1024,
 // whose output takes streaming stores), and rows of 1500 (float: rows of
 // 4-8 KB, whose normalize pass requests the next row,
@@ -447,9 +447,9 @@ void check_large_input_forward_same_bits_as_small_calls() {
       ASSERT_EQ(std::memcmp(ss.mean.data(), st.mean.data() + r0, static_cast<std::size_t>(m) * sizeof(T)), 0);
       ASSERT_EQ(std::memcmp(ss.rstd.data(), st.rstd.data() + r0, static_cast<std::size_t>(m) * sizeof(T)), 0);
     }
-    // Rows alone too (with the Intel path choices the chunks above take the
-    // streaming path as well: LayerNorm::intel_streaming): the first two
-    // groups, and rows spread over the rest.
+    // Rows alone too (with the Intel and Zen 5 path choices the chunks above
+    // take the streaming path as well: LayerNorm::tuned_streaming): the
+    // first two groups, and rows spread over the rest.
     for (Index r = 0; r < rows; r += r < 16 ? 1 : 997) {
       Eigen::TensorMap<const Eigen::Tensor<T, 2, Eigen::RowMajor>> x1(buf.data() + r * n, 1, n);
       Eigen::Tensor<T, 2, Eigen::RowMajor> y1(1, n);
@@ -466,7 +466,7 @@ void check_large_input_forward_same_bits_as_small_calls() {
 }
 
 TYPED_TEST(LayerNormTest, LargeInputForwardSameBitsAsSmallCalls) {
-  for (int tuning : {0, 1}) {
+  for (int tuning : {0, 1, 2}) {
     const nctest::IntelTuning paths(tuning);
     SCOPED_TRACE(::testing::Message() << "Intel tuning " << tuning);
     check_large_input_forward_same_bits_as_small_calls<TypeParam>();
