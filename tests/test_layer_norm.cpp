@@ -392,12 +392,13 @@ TEST(ForwardStreamThreshold, SetAndRestore) {
 // that are not requested take each row's moments in the loop that
 // normalizes the row before (detail::moments_normalizing; LayerNorm's
 // interleave_long_rows: rows of up to 4 KB, and longer than 8 KB without
-// bias, in builds with 32 vector registers; rows of 2560, over 8 KB with
-// weight and bias and whole packets, are requested with the Intel path
-// choices only): with weight and bias, weight
-// only and neither (affine 2, 1, 0; 500, 3000 and 3001 for double rows; odd
-// lengths for a tail on every ISA), and with a row whose squares overflow T
-// (row 3, scaled as in ExtremeRowLeavesItsGroupsBitsAlone: the exact path).
+// bias, in builds with 32 vector registers, and with the Zen 5 path choices
+// all of them; rows of 2560, over 8 KB with weight and bias and whole
+// packets, are requested with the Intel path choices only): with weight
+// and bias, weight only and neither (affine 2, 1, 0; 500, 3000 and 3001 for
+// double rows; odd lengths for a tail on every ISA), and with a row whose
+// squares overflow T (row 3, scaled as in ExtremeRowLeavesItsGroupsBitsAlone:
+// the exact path).
 template <typename T>
 void check_large_input_forward_same_bits_as_small_calls() {
   // Streaming stores from the streaming gate on (the default threshold may

@@ -580,12 +580,16 @@ class LayerNorm {
   // next row instead, forward_requests), 0.99-1.03x on rows of 3072-8192;
   // without bias 0.94-0.97x, and without weight and bias 0.77x (1024) and
   // 0.81x (4096-8192). Hence: rows not requested, except long ones with
-  // both. The interleaving only where the build has 32 vector registers: the loop keeps the
-  // kernel's 16 accumulators and the normalize's 3 coefficients in
-  // registers, which 16 (SSE, AVX2) would spill; not measured there.
+  // both. On AMD Zen 5 (detail::zen5_tuned) those too: measured on a Zen 5
+  // guest (float, weight and bias, two builds alternating on one core, the
+  // same bits), 0.86-0.93x the time on rows of 2560-4096 floats (4096x2560
+  // to 16384x4096) and 0.89x at 1024x16384. The interleaving only where
+  // the build has 32 vector registers: the loop keeps the kernel's 16
+  // accumulators and the normalize's 3 coefficients in registers, which 16
+  // (SSE, AVX2) would spill; not measured there.
   static bool interleave_long_rows(Index n, bool request, const T* g, const T* b) {
     return detail::kWideRegisterFile && !request &&
-           !(g && b && n * static_cast<Index>(sizeof(T)) > kRequestMaxRowBytes);
+           (detail::zen5_tuned() || !(g && b && n * static_cast<Index>(sizeof(T)) > kRequestMaxRowBytes));
   }
   template <bool Stream>
   void forward_long_rows(const T* x, T* out, Index n, Index count, T* mean, T* rstd, const T* g,
