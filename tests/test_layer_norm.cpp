@@ -226,9 +226,9 @@ void check_batch_independence(Index n) {
 TYPED_TEST(LayerNormTest, BatchSizeIndependenceBitForBit) {
   // Around the shortest long row too: one row alone takes its own path
   // from there on (LayerNorm::forward_rows), rows of a batch their groups'.
-  // With every set of path choices (LayerNorm::tuned_streaming).
+  // With both sets of path choices (LayerNorm::intel_streaming).
   constexpr Index kLong = normcore::detail::kShortMomentsValues<TypeParam>;
-  for (int tuning : {0, 1, 2}) {
+  for (int tuning : {0, 1}) {
     const nctest::IntelTuning paths(tuning);
     SCOPED_TRACE(::testing::Message() << "Intel tuning " << tuning);
     for (Index n : {Index(1), Index(17), Index(64), kLong - 1, kLong, Index(768), Index(1000)}) {
@@ -324,10 +324,10 @@ void check_group_normalize_same_bits_as_row_alone() {
   }
 }
 
-// With every set of path choices: on Intel CPUs (LayerNorm::tuned_streaming)
+// With both sets of path choices: on Intel CPUs (LayerNorm::intel_streaming)
 // the 19 long rows take the streaming path, elsewhere groups.
 TYPED_TEST(LayerNormTest, GroupNormalizeSameBitsAsRowAlone) {
-  for (int tuning : {0, 1, 2}) {
+  for (int tuning : {0, 1}) {
     const nctest::IntelTuning paths(tuning);
     SCOPED_TRACE(::testing::Message() << "Intel tuning " << tuning);
     check_group_normalize_same_bits_as_row_alone<TypeParam>();
@@ -382,9 +382,9 @@ TEST(ForwardStreamThreshold, SetAndRestore) {
 // short rows in groups that prefetch the next group, long rows one at a
 // time. The same bits as the same rows in calls below the threshold (in
 // groups, without prefetch, with the other CPUs' path choices; with the
-// Intel and the Zen 5 ones, which take the streaming path below the
-// threshold too, see LayerNorm::tuned_streaming, the rows taken alone are
-// the independent check), for short rows (groups of 8) and long rows
+// Intel ones, which take the streaming path below the threshold too, see
+// LayerNorm::intel_streaming, the rows taken alone are the independent
+// check), for short rows (groups of 8) and long rows
 // that leave a tail (groups of 4 below the threshold) or not (rows of 1024,
 // whose output takes streaming stores), and rows of 1500 (float: rows of
 // 4-8 KB, whose normalize pass requests the next row,
@@ -392,13 +392,12 @@ TEST(ForwardStreamThreshold, SetAndRestore) {
 // that are not requested take each row's moments in the loop that
 // normalizes the row before (detail::moments_normalizing; LayerNorm's
 // interleave_long_rows: rows of up to 4 KB, and longer than 8 KB without
-// bias, in builds with 32 vector registers, and with the Zen 5 path choices
-// all of them; rows of 2560, over 8 KB with weight and bias and whole
-// packets, are requested with the Intel path choices only): with weight
-// and bias, weight only and neither (affine 2, 1, 0; 500, 3000 and 3001 for
-// double rows; odd lengths for a tail on every ISA), and with a row whose
-// squares overflow T (row 3, scaled as in ExtremeRowLeavesItsGroupsBitsAlone:
-// the exact path).
+// bias, in builds with 32 vector registers; rows of 2560, over 8 KB with
+// weight and bias and whole packets, are requested with the Intel path
+// choices only): with weight and bias, weight
+// only and neither (affine 2, 1, 0; 500, 3000 and 3001 for double rows; odd
+// lengths for a tail on every ISA), and with a row whose squares overflow T
+// (row 3, scaled as in ExtremeRowLeavesItsGroupsBitsAlone: the exact path).
 template <typename T>
 void check_large_input_forward_same_bits_as_small_calls() {
   // Streaming stores from the streaming gate on (the default threshold may
@@ -448,9 +447,9 @@ void check_large_input_forward_same_bits_as_small_calls() {
       ASSERT_EQ(std::memcmp(ss.mean.data(), st.mean.data() + r0, static_cast<std::size_t>(m) * sizeof(T)), 0);
       ASSERT_EQ(std::memcmp(ss.rstd.data(), st.rstd.data() + r0, static_cast<std::size_t>(m) * sizeof(T)), 0);
     }
-    // Rows alone too (with the Intel and Zen 5 path choices the chunks above
-    // take the streaming path as well: LayerNorm::tuned_streaming): the
-    // first two groups, and rows spread over the rest.
+    // Rows alone too (with the Intel path choices the chunks above take the
+    // streaming path as well: LayerNorm::intel_streaming): the first two
+    // groups, and rows spread over the rest.
     for (Index r = 0; r < rows; r += r < 16 ? 1 : 997) {
       Eigen::TensorMap<const Eigen::Tensor<T, 2, Eigen::RowMajor>> x1(buf.data() + r * n, 1, n);
       Eigen::Tensor<T, 2, Eigen::RowMajor> y1(1, n);
@@ -467,7 +466,7 @@ void check_large_input_forward_same_bits_as_small_calls() {
 }
 
 TYPED_TEST(LayerNormTest, LargeInputForwardSameBitsAsSmallCalls) {
-  for (int tuning : {0, 1, 2}) {
+  for (int tuning : {0, 1}) {
     const nctest::IntelTuning paths(tuning);
     SCOPED_TRACE(::testing::Message() << "Intel tuning " << tuning);
     check_large_input_forward_same_bits_as_small_calls<TypeParam>();

@@ -336,7 +336,7 @@ class LayerNorm {
     const Index parts = detail::parts_for(device, rows * n, (rows + align - 1) / align, detail::kPartsPerThread);
     const detail::Split split{rows, parts, align};
     const bool large = detail::streaming_input<S, T>(rows, n);
-    const bool streaming = large || tuned_streaming<S>(rows, n);
+    const bool streaming = large || intel_streaming<S>(rows, n);
     const bool stream_out = large && detail::stream_forward_output(rows * n * static_cast<Index>(sizeof(T)));
     if (xv.row_major) {
       detail::run_parts(device, parts, [&](Index p) {
@@ -371,7 +371,7 @@ class LayerNorm {
   // Statistics for a group of rows (up to kCoeffGroup, at most
   // detail::kGroupBytes), then their normalization while the group is
   // still in L1. On `streaming` inputs (detail::streaming_input, and on
-  // Intel and AMD Zen 5 CPUs smaller ones: tuned_streaming) long rows go one at a time,
+  // Intel CPUs smaller ones: intel_streaming) long rows go one at a time,
   // each row of the next group of short rows is requested as a row of this
   // one is normalized (detail::forward_group, detail::rows_ahead), rows of
   // 4-8 KB request the next row as they are normalized
@@ -404,7 +404,7 @@ class LayerNorm {
   // detail::kShortMomentsValues whenever there are two or more (one row at
   // a time: each row's moments taken while the row before is normalized,
   // or, rows of more than 4 KB with weight and bias, the next row requested
-  // as this one is normalized), shorter rows from kShortStreamingBytes
+  // as this one is normalized), shorter rows from kIntelShortStreamingBytes
   // (each group requesting rows ahead, forward_short_pipelined). Measured
   // on an Intel Xeon guest (AVX-512, float, the same input every call),
   // against groups: rows of 768 floats 0.93x the time at 8x768, 0.96x at
@@ -413,22 +413,14 @@ class LayerNorm {
   // group normalize): 0.92x at 8192x50, 0.84-0.87x at 16384x64, but
   // 1.05x at 2048x50 (400 KB), hence their gate. One row alone, RMSNorm,
   // doubles and 16-bit rows: unchanged (RMSNorm lost, 1.09x at 8x768;
-  // doubles were not measured). On AMD Zen 5 (detail::zen5_tuned) inputs
-  // of at least kShortStreamingBytes take that path, long rows and short:
-  // measured on a Zen 5 guest (AVX-512, float, 1 MB of L2, two builds
-  // alternating on one core), against groups: 0.96-0.98x the time at
-  // 384x768 to 1024x768, 0.87x at 2048x768, 0.94-0.95x at 16384x64 and
-  // 32768x64, 1.00x at 8192x50 and 256x1024; below the gate 8x768 took
-  // 0.999-1.014x, 64x768 1.02x. (Inputs of kStreamingBytes and more take
-  // that path on every CPU.)
-  static constexpr Index kShortStreamingBytes = Index(1) << 20;
+  // doubles were not measured).
+  static constexpr Index kIntelShortStreamingBytes = Index(1) << 20;
   template <typename S>
-  static bool tuned_streaming(Index rows, Index n) {
-    if (!std::is_same<S, float>::value || !std::is_same<T, float>::value || !detail::kWideRegisterFile || rows < 2)
+  static bool intel_streaming(Index rows, Index n) {
+    if (!std::is_same<S, float>::value || !std::is_same<T, float>::value || !detail::kWideRegisterFile ||
+        rows < 2 || !detail::intel_tuned())
       return false;
-    const bool big = rows * n * static_cast<Index>(sizeof(T)) >= kShortStreamingBytes;
-    if (detail::intel_tuned()) return n >= detail::kShortMomentsValues<T> || big;
-    return detail::zen5_tuned() && big;
+    return n >= detail::kShortMomentsValues<T> || rows * n * static_cast<Index>(sizeof(T)) >= kIntelShortStreamingBytes;
   }
   static Index request_max_row_bytes(const T* g, const T* b) {
     return g && b && detail::intel_tuned() ? std::numeric_limits<Index>::max() : kRequestMaxRowBytes;
@@ -580,16 +572,12 @@ class LayerNorm {
   // next row instead, forward_requests), 0.99-1.03x on rows of 3072-8192;
   // without bias 0.94-0.97x, and without weight and bias 0.77x (1024) and
   // 0.81x (4096-8192). Hence: rows not requested, except long ones with
-  // both. On AMD Zen 5 (detail::zen5_tuned) those too: measured on a Zen 5
-  // guest (float, weight and bias, two builds alternating on one core, the
-  // same bits), 0.86-0.93x the time on rows of 2560-4096 floats (4096x2560
-  // to 16384x4096) and 0.89x at 1024x16384. The interleaving only where
-  // the build has 32 vector registers: the loop keeps the kernel's 16
-  // accumulators and the normalize's 3 coefficients in registers, which 16
-  // (SSE, AVX2) would spill; not measured there.
+  // both. The interleaving only where the build has 32 vector registers: the loop keeps the
+  // kernel's 16 accumulators and the normalize's 3 coefficients in
+  // registers, which 16 (SSE, AVX2) would spill; not measured there.
   static bool interleave_long_rows(Index n, bool request, const T* g, const T* b) {
     return detail::kWideRegisterFile && !request &&
-           (detail::zen5_tuned() || !(g && b && n * static_cast<Index>(sizeof(T)) > kRequestMaxRowBytes));
+           !(g && b && n * static_cast<Index>(sizeof(T)) > kRequestMaxRowBytes);
   }
   template <bool Stream>
   void forward_long_rows(const T* x, T* out, Index n, Index count, T* mean, T* rstd, const T* g,

@@ -28,9 +28,6 @@
 #include <cstddef>
 #include <limits>
 #include <type_traits>
-#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__)) && !defined(_MSC_VER)
-#include <cpuid.h>
-#endif
 #include <utility>
 #include <vector>
 
@@ -554,7 +551,7 @@ constexpr Index kRequestRowBytes = 4096;
 /// Path choices tuned on an Intel Xeon follow it through intel_tuned:
 /// LayerNorm's longest requested rows (request_max_row_bytes: the same loop
 /// measured 1.12-1.21x the time on Zen 4 and 0.73-0.77x on an Intel Xeon),
-/// LayerNorm's streaming path on smaller inputs (tuned_streaming),
+/// LayerNorm's streaming path on smaller inputs (intel_streaming),
 /// BatchNorm's channels-last streaming dx (dx_streams_channels_last) and
 /// the row-wise backwards' streaming dx on inputs that overflow the L2
 /// (l2_backward_streams).
@@ -571,49 +568,21 @@ inline bool intel_cpu() {
 #endif
 }
 
-/// Whether the CPU is AMD's, family 0x1A or later (Zen 5 on; x86 builds by
-/// GCC or Clang; read once). Its one path choice of its own (zen5_tuned):
-/// LayerNorm's streaming path on inputs of at least 1 MiB that the caches
-/// hold (tuned_streaming). Zen 5 runs 512-bit operations at full width,
-/// where Zen 4 splits them in two halves.
-inline bool amd_zen5_cpu() {
-#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__)) && !defined(_MSC_VER)
-  static const bool zen5 = [] {
-    __builtin_cpu_init();
-    if (__builtin_cpu_is("amd") == 0) return false;
-    unsigned a = 0, b = 0, c = 0, d = 0;
-    if (__get_cpuid(1, &a, &b, &c, &d) == 0) return false;
-    const unsigned base = (a >> 8) & 0xFu, extended = (a >> 20) & 0xFFu;
-    return (base == 0xFu ? base + extended : base) >= 0x1Au;
-  }();
-  return zen5;
-#else
-  return false;
-#endif
-}
-
-/// The setting behind intel_tuned and zen5_tuned: -1 (the default) follows
-/// the CPU (intel_cpu, amd_zen5_cpu), 0 takes the other CPUs' path choices
-/// (tuned on Zen 4), 1 the Intel ones, 2 the Zen 5 ones. For the tests,
-/// which check every set of paths on any machine: a choice of paths, never
+/// The setting behind intel_tuned: -1 (the default) follows intel_cpu, 0
+/// takes the other CPUs' path choices, 1 the Intel ones. For the tests,
+/// which check both sets of paths on any machine: a choice of paths, never
 /// of output bits.
 inline std::atomic<int>& intel_tuning_setting() {
   static std::atomic<int> v{-1};
   return v;
 }
 
-/// The set of path choices that applies: 0 (other CPUs), 1 (Intel) or 2
-/// (AMD Zen 5), by intel_tuning_setting.
-inline int path_choices() {
+/// Whether the path choices tuned on Intel CPUs apply (intel_cpu, unless
+/// intel_tuning_setting says otherwise).
+inline bool intel_tuned() {
   const int v = intel_tuning_setting().load(std::memory_order_relaxed);
-  return v >= 0 ? v : intel_cpu() ? 1 : amd_zen5_cpu() ? 2 : 0;
+  return v < 0 ? intel_cpu() : v != 0;
 }
-
-/// Whether the path choices tuned on Intel CPUs apply (path_choices).
-inline bool intel_tuned() { return path_choices() == 1; }
-
-/// Whether the path choices tuned on AMD Zen 5 apply (path_choices).
-inline bool zen5_tuned() { return path_choices() == 2; }
 
 /// Rows shorter than this many bytes keep ordinary dx stores under the
 /// streaming_backward gate (l2_backward_streams).
