@@ -218,7 +218,8 @@ void check_large_channels_last_backward_streaming() {
 }
 
 // With both sets of path choices (with AVX-512, dx streams with the Intel
-// ones only: BatchNorm's dx_streams_channels_last).
+// ones only, which AMD Zen 5 takes for this: BatchNorm's
+// dx_streams_channels_last, detail::dx_streams_tuned).
 TYPED_TEST(BatchNormTest, LargeChannelsLastBackwardStreamingSameBitsAsOrdinaryStores) {
   for (int tuning : {0, 1}) {
     const nctest::IntelTuning paths(tuning);

@@ -275,9 +275,10 @@ TYPED_TEST(RMSNormTest, OneBlockBackwardSameBitsAsPaddedBatch) {
   }
 }
 
-// Backward inputs over the L2, under the streaming gate: on Intel CPUs dx
-// with streaming stores (nctest::check_l2_backward), with both sets of path
-// choices. Rows of 1 KB (the shortest that stream) and 1024 values.
+// Backward inputs over the L2, under the streaming gate: on Intel CPUs and
+// AMD Zen 5 dx with streaming stores (nctest::check_l2_backward), with both
+// sets of path choices. Rows of 1 KB (the shortest that stream) and 1024
+// values.
 TYPED_TEST(RMSNormTest, L2SizedBackwardSameBitsAsSmallCalls) {
   using T = TypeParam;
   for (int tuning : {0, 1}) {

@@ -149,9 +149,10 @@ void check_large_backward(Index n, Backward&& backward) {
   check_backward_against_chunks<T>(n, rows, chunk, backward);
 }
 
-/// On Intel CPUs (or with the Intel path choices forced, IntelTuning), a
-/// row-wise backward under the streaming_backward gate whose x, dy and dx
-/// overflow the L2 writes dx with streaming stores too
+/// On Intel CPUs and AMD Zen 5 (detail::dx_streams_tuned; or with the
+/// Intel path choices forced, IntelTuning), a row-wise backward under the
+/// streaming_backward gate whose x, dy and dx overflow the L2 writes dx
+/// with streaming stores too
 /// (normcore::detail::l2_backward_streams): the bits of calls whose rows the
 /// L2 holds (check_backward_against_chunks), with either set of path
 /// choices. Rows of n values with n * sizeof(T) >= kL2StreamRowBytes. On a
@@ -166,7 +167,7 @@ void check_l2_backward(Index n, Backward&& backward) {
   const Index chunk = std::max<Index>(1, l2 / (6 * row_bytes));
   if (d::streaming_backward<T, T>(chunk, n)) GTEST_SKIP() << "an L2 of " << l2 << " bytes";
   ASSERT_GE(row_bytes, d::kL2StreamRowBytes);
-  ASSERT_EQ((d::l2_backward_streams<T, T>(rows, n, 1)), d::intel_tuned());
+  ASSERT_EQ((d::l2_backward_streams<T, T>(rows, n, 1)), d::dx_streams_tuned());
   ASSERT_FALSE((d::l2_backward_streams<T, T>(chunk, n, 1)));
   ASSERT_FALSE((d::l2_backward_streams<T, T>(rows, n, 2)));  // about half the L2 a thread
   {  // the whole decision, on aligned buffers like the test's offset-0 dx
@@ -175,7 +176,7 @@ void check_l2_backward(Index n, Backward&& backward) {
     const T* dy = x + rows * n;
     const T* dx = dy + rows * n;
     ASSERT_EQ((d::stream_gradient<T, T>(x, dy, static_cast<const T*>(nullptr), dx, rows, n, 1)),
-              d::intel_tuned() && d::kStreamStores);
+              d::dx_streams_tuned() && d::kStreamStores);
   }
   check_backward_against_chunks<T>(n, rows, chunk, backward);
 }

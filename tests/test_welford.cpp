@@ -1,5 +1,7 @@
 // The statistics core: scalar Welford/Chan against two-pass double, and the
 // SIMD row and lane moments against the same.
+#include <fstream>
+#include <string>
 #include <thread>
 
 #include "test_util.hpp"
@@ -311,6 +313,39 @@ TEST(Scratch, ArenaStackHeapFallbackAndGrowth) {
     EXPECT_EQ(arena.top, 0u);
     EXPECT_EQ(arena.capacity, a_bytes + b_bytes);
   }).join();
+}
+
+// The CPU checks behind the path choices, against the kernel's own account
+// (/proc/cpuinfo: vendor_id and cpu family of the first processor), and the
+// settings that override them. Skipped off x86 Linux.
+TEST(PathChoices, CpuChecksMatchProcCpuinfoAndSettingsOverrideThem) {
+  namespace d = normcore::detail;
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+  std::ifstream info("/proc/cpuinfo");
+  std::string line, vendor;
+  long family = -1;
+  while (std::getline(info, line) && (vendor.empty() || family < 0)) {
+    const auto colon = line.find(':');
+    if (colon == std::string::npos || colon + 2 > line.size()) continue;
+    const std::string value = line.substr(colon + 2);
+    if (vendor.empty() && line.rfind("vendor_id", 0) == 0) vendor = value;
+    if (family < 0 && line.rfind("cpu family", 0) == 0) family = std::stol(value);
+  }
+  if (vendor.empty() || family < 0) GTEST_SKIP() << "no vendor_id and cpu family in /proc/cpuinfo";
+  SCOPED_TRACE(::testing::Message() << vendor << ", family " << family);
+  EXPECT_EQ(d::intel_cpu(), vendor == "GenuineIntel");
+  EXPECT_EQ(d::amd_zen5_cpu(), vendor == "AuthenticAMD" && family >= 0x1A);
+  {
+    const IntelTuning cpu(-1);
+    EXPECT_EQ(d::intel_tuned(), d::intel_cpu());
+    EXPECT_EQ(d::dx_streams_tuned(), d::intel_cpu() || d::amd_zen5_cpu());
+  }
+#endif
+  for (int v : {0, 1}) {
+    const IntelTuning forced(v);
+    EXPECT_EQ(d::intel_tuned(), v == 1);
+    EXPECT_EQ(d::dx_streams_tuned(), v == 1);
+  }
 }
 
 }  // namespace

@@ -28,6 +28,9 @@
 #include <cstddef>
 #include <limits>
 #include <type_traits>
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__)) && !defined(_MSC_VER)
+#include <cpuid.h>
+#endif
 #include <utility>
 #include <vector>
 
@@ -552,8 +555,10 @@ constexpr Index kRequestRowBytes = 4096;
 /// LayerNorm's longest requested rows (request_max_row_bytes: the same loop
 /// measured 1.12-1.21x the time on Zen 4 and 0.73-0.77x on an Intel Xeon),
 /// LayerNorm's streaming path on smaller inputs (intel_streaming),
-/// BatchNorm's channels-last streaming dx (dx_streams_channels_last) and
-/// the row-wise backwards' streaming dx on inputs that overflow the L2
+/// BatchNorm's fused channels-first groups (fused_channel_group), and,
+/// through dx_streams_tuned (which AMD Zen 5 takes too), BatchNorm's
+/// channels-last streaming dx (dx_streams_channels_last) and the row-wise
+/// backwards' streaming dx on inputs that overflow the L2
 /// (l2_backward_streams).
 inline bool intel_cpu() {
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__)) && !defined(_MSC_VER)
@@ -568,10 +573,29 @@ inline bool intel_cpu() {
 #endif
 }
 
-/// The setting behind intel_tuned: -1 (the default) follows intel_cpu, 0
-/// takes the other CPUs' path choices, 1 the Intel ones. For the tests,
-/// which check both sets of paths on any machine: a choice of paths, never
-/// of output bits.
+/// Whether the CPU is AMD's of family 0x1A or later (Zen 5 on; x86 builds
+/// by GCC or Clang; read once). It takes two of the Intel CPUs' path
+/// choices (dx_streams_tuned) and Zen 4's others.
+inline bool amd_zen5_cpu() {
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__)) && !defined(_MSC_VER)
+  static const bool zen5 = [] {
+    __builtin_cpu_init();
+    if (__builtin_cpu_is("amd") == 0) return false;
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (__get_cpuid(1, &a, &b, &c, &d) == 0) return false;
+    const unsigned base = (a >> 8) & 0xFu, extended = (a >> 20) & 0xFFu;
+    return (base == 0xFu ? base + extended : base) >= 0x1Au;
+  }();
+  return zen5;
+#else
+  return false;
+#endif
+}
+
+/// The setting behind intel_tuned and dx_streams_tuned: -1 (the default)
+/// follows the CPU, 0 takes the other CPUs' path choices (measured on Zen
+/// 4), 1 the Intel ones. For the tests, which check both sets of paths on
+/// any machine: a choice of paths, never of output bits.
 inline std::atomic<int>& intel_tuning_setting() {
   static std::atomic<int> v{-1};
   return v;
@@ -584,6 +608,26 @@ inline bool intel_tuned() {
   return v < 0 ? intel_cpu() : v != 0;
 }
 
+/// Whether the backwards' streaming dx choices of the Intel set apply: the
+/// row-wise backwards' dx on inputs that overflow the L2
+/// (l2_backward_streams) and BatchNorm's channels-last dx
+/// (dx_streams_channels_last). On Intel CPUs and AMD Zen 5 (amd_zen5_cpu),
+/// unless intel_tuning_setting says otherwise. Measured on an AMD Zen 5
+/// guest (1 MB of L2, AVX-512, float, both settings alternating in one
+/// process, the same bits), against ordinary stores: LayerNorm backward
+/// 0.88-0.95x the time with x at 0.5-4 MB (170x768 to 1024x1024, 1024x256),
+/// RMSNorm 0.88-0.98x, 2048x768 (under the 6 MB gate) 1.00x; on 2 threads
+/// 0.84-0.94x and 0.76-0.93x. BatchNorm backward channels-last 0.85x at
+/// (N,C) 4096x512, 0.88-0.97x at 32x64x56x56, 256x256x14x14 and
+/// 64x512x7x7 (2 threads 0.86-0.96x). (The Intel set's other choices lost
+/// there: LayerNorm forward 1.03-1.09x the time, BatchNorm's fused
+/// training forward 1.10-1.16x at 32x64x56x56.) On Zen 4 the channels-last
+/// dx lost (1.10-1.14x), and the L2 one was not measured.
+inline bool dx_streams_tuned() {
+  const int v = intel_tuning_setting().load(std::memory_order_relaxed);
+  return v < 0 ? intel_cpu() || amd_zen5_cpu() : v != 0;
+}
+
 /// Rows shorter than this many bytes keep ordinary dx stores under the
 /// streaming_backward gate (l2_backward_streams).
 constexpr Index kL2StreamRowBytes = 1024;
@@ -594,9 +638,9 @@ inline Index backward_l2_bytes() { return l2_cache_bytes() > 0 ? l2_cache_bytes(
 
 /// Whether a row-wise backward under the streaming_backward gate still
 /// writes dx with streaming stores (where dx can take them): on Intel CPUs
-/// (intel_tuned), rows of at least kL2StreamRowBytes, when what each of the
-/// `threads` threads touches, x, dy and dx (3 * x / threads), is more than
-/// the L2 (backward_l2_bytes: the OS's, or 2 MiB). A dx written
+/// and AMD Zen 5 (dx_streams_tuned), rows of at least kL2StreamRowBytes,
+/// when what each of the `threads` threads touches, x, dy and dx
+/// (3 * x / threads), is more than the L2 (backward_l2_bytes: the OS's, or 2 MiB). A dx written
 /// through the cache then evicts the x and dy lines that the row's second
 /// pass, or the next call over the same input, reads; streamed, x and dy
 /// stay in the L2. Measured on an Intel Xeon guest (2 MB of L2, AVX-512,
@@ -611,7 +655,7 @@ inline Index backward_l2_bytes() { return l2_cache_bytes() > 0 ? l2_cache_bytes(
 /// at 1 MB (256x1024, 1024x256: 0.5 MB a thread).
 template <typename S, typename T>
 bool l2_backward_streams(Index rows, Index n, Index threads) {
-  if (!std::is_same<S, T>::value || !intel_tuned()) return false;
+  if (!std::is_same<S, T>::value || !dx_streams_tuned()) return false;
   const Index row = n * static_cast<Index>(sizeof(S));
   return row >= kL2StreamRowBytes &&
          rows * row > std::max<Index>(1, threads) * (backward_l2_bytes() / 3);  // 3x > L2 a thread
