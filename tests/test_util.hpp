@@ -197,8 +197,9 @@ class StreamThreshold {
 };
 
 /// Sets normcore::detail::intel_tuning_setting (0: the other CPUs' path
-/// choices, 1: the Intel ones) for its lifetime, then restores it, so that
-/// a test checks both sets of paths whatever the machine.
+/// choices, 1: the Intel ones, 2: the AMD Zen 5 ones) for its lifetime,
+/// then restores it, so that a test checks each set of paths whatever the
+/// machine.
 class IntelTuning {
  public:
   explicit IntelTuning(int v) : saved_(normcore::detail::intel_tuning_setting().load()) {

@@ -337,14 +337,18 @@ TEST(PathChoices, CpuChecksMatchProcCpuinfoAndSettingsOverrideThem) {
   EXPECT_EQ(d::amd_zen5_cpu(), vendor == "AuthenticAMD" && family >= 0x1A);
   {
     const IntelTuning cpu(-1);
+    EXPECT_EQ(d::path_choices(), d::intel_cpu() ? 1 : d::amd_zen5_cpu() ? 2 : 0);
     EXPECT_EQ(d::intel_tuned(), d::intel_cpu());
+    EXPECT_EQ(d::zen5_tuned(), d::amd_zen5_cpu());
     EXPECT_EQ(d::dx_streams_tuned(), d::intel_cpu() || d::amd_zen5_cpu());
   }
 #endif
-  for (int v : {0, 1}) {
+  for (int v : {0, 1, 2}) {
     const IntelTuning forced(v);
+    EXPECT_EQ(d::path_choices(), v);
     EXPECT_EQ(d::intel_tuned(), v == 1);
-    EXPECT_EQ(d::dx_streams_tuned(), v == 1);
+    EXPECT_EQ(d::zen5_tuned(), v == 2);
+    EXPECT_EQ(d::dx_streams_tuned(), v != 0);
   }
 }
 

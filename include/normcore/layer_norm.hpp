@@ -375,7 +375,9 @@ class LayerNorm {
   // each row of the next group of short rows is requested as a row of this
   // one is normalized (detail::forward_group, detail::rows_ahead), rows of
   // 4-8 KB request the next row as they are normalized
-  // (detail::forward_requests), rows of up to 4 KB (and longer ones without
+  // (detail::forward_requests; with weight and bias, on Intel CPUs rows of
+  // any length, on AMD Zen 5 up to 16 KB and into the L1:
+  // request_max_row_bytes), rows of up to 4 KB (and longer ones without
   // bias) take the next row's moments as they are normalized
   // (forward_long_rows, interleave_long_rows), and the output takes
   // streaming stores when it can (detail::can_stream_rows) and `stream_out`
@@ -422,8 +424,25 @@ class LayerNorm {
       return false;
     return n >= detail::kShortMomentsValues<T> || rows * n * static_cast<Index>(sizeof(T)) >= kIntelShortStreamingBytes;
   }
+  // On AMD Zen 5 (detail::zen5_tuned) rows with gamma and beta are
+  // requested up to 16 KB, into the L1 (detail::request_next<true>).
+  // Measured on a Zen 5 guest (48 KB of L1d, AVX-512, float, both sets of
+  // choices alternating in one process, the same bits), against the Zen 4
+  // choices (rows over 8 KB not requested, shorter ones into the L2), each
+  // process's median ratio: 0.63-0.70x the time at 4096x2560, 0.73x at
+  // 4096x3072, 0.89-0.93x at 8192x2048, 0.93-0.98x at 16384x1536; rows of
+  // 16 KB, whose row, next row, gamma and beta overflow the L1, gained less
+  // and unevenly: 0.74-1.01x at 4096x4096 (median of five processes 0.97x)
+  // and 0.89-1.03x at 16384x4096 (0.94x). On 2 threads 0.64-0.70x,
+  // 0.83-0.89x, 0.87-0.88x and 0.89-0.98x at 4096x2560, 8192x2048,
+  // 4096x4096 and 16384x4096. Rows of 32 and 64 KB took 0.96-1.05x and keep
+  // the Zen 4 choice; into the L2 instead, rows over 8 KB took 1.00-1.14x,
+  // as on Zen 4.
+  static constexpr Index kZen5RequestMaxRowBytes = 16384;
   static Index request_max_row_bytes(const T* g, const T* b) {
-    return g && b && detail::intel_tuned() ? std::numeric_limits<Index>::max() : kRequestMaxRowBytes;
+    if (!g || !b) return kRequestMaxRowBytes;
+    const int set = detail::path_choices();
+    return set == 1 ? std::numeric_limits<Index>::max() : set == 2 ? kZen5RequestMaxRowBytes : kRequestMaxRowBytes;
   }
   void forward_rows(const T* x, T* out, Index n, Index count, T* mean, T* rstd, const T* g,
                     const T* b, bool streaming = false, bool stream_out = false) const {
@@ -447,6 +466,7 @@ class LayerNorm {
     detail::CoeffGroup<T> k;
     const bool stream = stream_out && detail::can_stream_rows(x, out, n, count);
     const bool request = detail::forward_requests(streaming, n, sizeof(T), request_max_row_bytes(g, b));
+    const bool into_l1 = request && g && b && detail::zen5_tuned();
     if (streaming && group == 1 && interleave_long_rows(n, request, g, b)) {
       if (stream) {
         forward_long_rows<true>(x, out, n, count, mean, rstd, g, b);
@@ -481,17 +501,21 @@ class LayerNorm {
       for (Index i = 0; i < m; ++i) {
         if (i < ahead) detail::prefetch_span(x + (r0 + m + i) * n, n * static_cast<Index>(sizeof(T)));
         const detail::RowValues<T> row{x + (r0 + i) * n};
-        if (request && r0 + i + 1 < count) {
-          const auto src = detail::request_next(row, x + (r0 + i + 1) * n);
+        const auto normalize = [&](const auto& src) {
           if (stream) {
             detail::normalize_values<true>(src, out + (r0 + i) * n, n, k[i], g, b);
           } else {
             detail::normalize_values(src, out + (r0 + i) * n, n, k[i], g, b);
           }
-        } else if (stream) {
-          detail::normalize_values<true>(row, out + (r0 + i) * n, n, k[i], g, b);
+        };
+        if (request && r0 + i + 1 < count) {
+          if (into_l1) {
+            normalize(detail::request_next<true>(row, x + (r0 + i + 1) * n));
+          } else {
+            normalize(detail::request_next(row, x + (r0 + i + 1) * n));
+          }
         } else {
-          detail::normalize_values(row, out + (r0 + i) * n, n, k[i], g, b);
+          normalize(row);
         }
       }
     }

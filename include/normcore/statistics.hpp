@@ -574,8 +574,9 @@ inline bool intel_cpu() {
 }
 
 /// Whether the CPU is AMD's of family 0x1A or later (Zen 5 on; x86 builds
-/// by GCC or Clang; read once). It takes two of the Intel CPUs' path
-/// choices (dx_streams_tuned) and Zen 4's others.
+/// by GCC or Clang; read once). Its path choices (zen5_tuned): Zen 4's,
+/// with two of the Intel CPUs' (dx_streams_tuned) and LayerNorm forward's
+/// requests into the L1 (LayerNorm::request_max_row_bytes).
 inline bool amd_zen5_cpu() {
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__)) && !defined(_MSC_VER)
   static const bool zen5 = [] {
@@ -592,29 +593,36 @@ inline bool amd_zen5_cpu() {
 #endif
 }
 
-/// The setting behind intel_tuned and dx_streams_tuned: -1 (the default)
-/// follows the CPU, 0 takes the other CPUs' path choices (measured on Zen
-/// 4), 1 the Intel ones. For the tests, which check both sets of paths on
-/// any machine: a choice of paths, never of output bits.
+/// The setting behind path_choices: -1 (the default) follows the CPU
+/// (intel_cpu, amd_zen5_cpu), 0 takes the other CPUs' path choices
+/// (measured on Zen 4), 1 the Intel ones, 2 the AMD Zen 5 ones. For the
+/// tests, which check every set of paths on any machine: a choice of
+/// paths, never of output bits.
 inline std::atomic<int>& intel_tuning_setting() {
   static std::atomic<int> v{-1};
   return v;
 }
 
-/// Whether the path choices tuned on Intel CPUs apply (intel_cpu, unless
-/// intel_tuning_setting says otherwise).
-inline bool intel_tuned() {
+/// The set of path choices that applies: 0 (other CPUs), 1 (Intel) or 2
+/// (AMD Zen 5), by intel_tuning_setting.
+inline int path_choices() {
   const int v = intel_tuning_setting().load(std::memory_order_relaxed);
-  return v < 0 ? intel_cpu() : v != 0;
+  return v >= 0 ? v : intel_cpu() ? 1 : amd_zen5_cpu() ? 2 : 0;
 }
+
+/// Whether the path choices tuned on Intel CPUs apply (path_choices).
+inline bool intel_tuned() { return path_choices() == 1; }
+
+/// Whether the path choices tuned on AMD Zen 5 apply (path_choices).
+inline bool zen5_tuned() { return path_choices() == 2; }
 
 /// Whether the backwards' streaming dx choices of the Intel set apply: the
 /// row-wise backwards' dx on inputs that overflow the L2
 /// (l2_backward_streams) and BatchNorm's channels-last dx
-/// (dx_streams_channels_last). On Intel CPUs and AMD Zen 5 (amd_zen5_cpu),
-/// unless intel_tuning_setting says otherwise. Measured on an AMD Zen 5
-/// guest (1 MB of L2, AVX-512, float, both settings alternating in one
-/// process, the same bits), against ordinary stores: LayerNorm backward
+/// (dx_streams_channels_last): with the Intel and the Zen 5 path choices
+/// (path_choices). Measured on an AMD Zen 5 guest (1 MB of L2, AVX-512,
+/// float, both settings alternating in one process, the same bits),
+/// against ordinary stores: LayerNorm backward
 /// 0.88-0.95x the time with x at 0.5-4 MB (170x768 to 1024x1024, 1024x256),
 /// RMSNorm 0.88-0.98x, 2048x768 (under the 6 MB gate) 1.00x; on 2 threads
 /// 0.84-0.94x and 0.76-0.93x. BatchNorm backward channels-last 0.85x at
@@ -623,10 +631,7 @@ inline bool intel_tuned() {
 /// there: LayerNorm forward 1.03-1.09x the time, BatchNorm's fused
 /// training forward 1.10-1.16x at 32x64x56x56.) On Zen 4 the channels-last
 /// dx lost (1.10-1.14x), and the L2 one was not measured.
-inline bool dx_streams_tuned() {
-  const int v = intel_tuning_setting().load(std::memory_order_relaxed);
-  return v < 0 ? intel_cpu() || amd_zen5_cpu() : v != 0;
-}
+inline bool dx_streams_tuned() { return path_choices() != 0; }
 
 /// Rows shorter than this many bytes keep ordinary dx stores under the
 /// streaming_backward gate (l2_backward_streams).
@@ -680,14 +685,31 @@ EIGEN_ALWAYS_INLINE void prefetch_l2(const void* p) {
 template <typename T>
 constexpr Index kLineValues = Index(64 / sizeof(T));
 
-/// prefetch_l2 of the lines holding values j .. j + L - 1 of the row at
-/// `next`, for a pass that reads packets of L values at j: once per line
-/// (at the packet that starts a line when a line holds several packets).
-template <int L, typename T>
+/// Requests the cache line at p into the L1 (every level), where the
+/// compiler has the builtin.
+EIGEN_ALWAYS_INLINE void prefetch_l1(const void* p) {
+#if defined(__GNUC__) || defined(__clang__)
+  __builtin_prefetch(p, 0, 3);
+#else
+  Eigen::internal::prefetch(static_cast<const char*>(p));
+#endif
+}
+
+/// prefetch_l2 (IntoL1: prefetch_l1) of the lines holding values
+/// j .. j + L - 1 of the row at `next`, for a pass that reads packets of L
+/// values at j: once per line (at the packet that starts a line when a line
+/// holds several packets).
+template <int L, bool IntoL1 = false, typename T>
 EIGEN_ALWAYS_INLINE void request_lines(const T* next, Index j) {
   constexpr Index kLine = kLineValues<T>;
   if (L >= kLine || j % kLine == 0) {
-    for (Index l = 0; l < L; l += kLine) prefetch_l2(next + j + l);
+    for (Index l = 0; l < L; l += kLine) {
+      if (IntoL1) {
+        prefetch_l1(next + j + l);
+      } else {
+        prefetch_l2(next + j + l);
+      }
+    }
   }
 }
 
@@ -701,17 +723,17 @@ EIGEN_ALWAYS_INLINE void request_next_row(const T* x_next, const T* dy_next, Ind
 
 /// A source (RowValues and kin) that requests the next row as it is read:
 /// as packet i is read, the line holding value i of the row at `next` goes
-/// to the L2 (request_lines). For the second pass of a long row of a
-/// streaming input, which reads the row from L1, so that memory reads stay
-/// in flight while it runs. Masked packets and single values (a row's tail)
-/// request nothing.
-template <typename Src, typename N>
+/// to the L2 (IntoL1: the L1; request_lines). For the second pass of a long
+/// row of a streaming input, which reads the row from L1, so that memory
+/// reads stay in flight while it runs. Masked packets and single values (a
+/// row's tail) request nothing.
+template <typename Src, typename N, bool IntoL1 = false>
 struct RequestNext {
   Src src;
   const N* next;
   template <typename Packet>
   EIGEN_ALWAYS_INLINE Packet packet(Index i) const {
-    request_lines<Eigen::internal::unpacket_traits<Packet>::size>(next, i);
+    request_lines<Eigen::internal::unpacket_traits<Packet>::size, IntoL1>(next, i);
     return src.template packet<Packet>(i);
   }
   template <typename Packet, typename Mask>
@@ -721,9 +743,9 @@ struct RequestNext {
   EIGEN_ALWAYS_INLINE auto value(Index j) const { return src.value(j); }
 };
 
-template <typename N, typename Src>
-RequestNext<Src, N> request_next(const Src src, const N* next) {
-  return RequestNext<Src, N>{src, next};
+template <bool IntoL1 = false, typename N, typename Src>
+RequestNext<Src, N, IntoL1> request_next(const Src src, const N* next) {
+  return RequestNext<Src, N, IntoL1>{src, next};
 }
 
 /// widen_lanes(a, out): the lanes of a as doubles, out[i] holding lanes
