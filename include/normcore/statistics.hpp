@@ -671,31 +671,27 @@ inline bool forward_requests(bool streaming, Index n, Index bytes, Index max_row
   return streaming && row > kRequestRowBytes && row <= max_row_bytes;
 }
 
-/// Requests the cache line at p into the L2, not the L1 (which holds the
-/// row being worked on), where the compiler has the builtin.
-EIGEN_ALWAYS_INLINE void prefetch_l2(const void* p) {
+/// Requests the cache line at p for reading, with the builtin's temporal
+/// locality (2: into the L2, 3: into the L1 as well), where the compiler
+/// has the builtin.
+template <int Locality>
+EIGEN_ALWAYS_INLINE void prefetch_line(const void* p) {
 #if defined(__GNUC__) || defined(__clang__)
-  __builtin_prefetch(p, 0, 2);
+  __builtin_prefetch(p, 0, Locality);
 #else
   Eigen::internal::prefetch(static_cast<const char*>(p));
 #endif
 }
+
+/// Requests the cache line at p into the L2, not the L1 (which holds the
+/// row being worked on).
+EIGEN_ALWAYS_INLINE void prefetch_l2(const void* p) { prefetch_line<2>(p); }
 
 /// Values of T in a 64-byte cache line.
 template <typename T>
 constexpr Index kLineValues = Index(64 / sizeof(T));
 
-/// Requests the cache line at p into the L1 (every level), where the
-/// compiler has the builtin.
-EIGEN_ALWAYS_INLINE void prefetch_l1(const void* p) {
-#if defined(__GNUC__) || defined(__clang__)
-  __builtin_prefetch(p, 0, 3);
-#else
-  Eigen::internal::prefetch(static_cast<const char*>(p));
-#endif
-}
-
-/// prefetch_l2 (IntoL1: prefetch_l1) of the lines holding values
+/// prefetch_l2 (IntoL1: into the L1 as well) of the lines holding values
 /// j .. j + L - 1 of the row at `next`, for a pass that reads packets of L
 /// values at j: once per line (at the packet that starts a line when a line
 /// holds several packets).
@@ -703,13 +699,7 @@ template <int L, bool IntoL1 = false, typename T>
 EIGEN_ALWAYS_INLINE void request_lines(const T* next, Index j) {
   constexpr Index kLine = kLineValues<T>;
   if (L >= kLine || j % kLine == 0) {
-    for (Index l = 0; l < L; l += kLine) {
-      if (IntoL1) {
-        prefetch_l1(next + j + l);
-      } else {
-        prefetch_l2(next + j + l);
-      }
-    }
+    for (Index l = 0; l < L; l += kLine) prefetch_line<IntoL1 ? 3 : 2>(next + j + l);
   }
 }
 
