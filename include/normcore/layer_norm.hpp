@@ -442,7 +442,8 @@ class LayerNorm {
   static Index request_max_row_bytes(const T* g, const T* b) {
     if (!g || !b) return kRequestMaxRowBytes;
     const int set = detail::path_choices();
-    return set == 1 ? std::numeric_limits<Index>::max() : set == 2 ? kZen5RequestMaxRowBytes : kRequestMaxRowBytes;
+    if (set == 1) return std::numeric_limits<Index>::max();
+    return set == 2 ? kZen5RequestMaxRowBytes : kRequestMaxRowBytes;
   }
   void forward_rows(const T* x, T* out, Index n, Index count, T* mean, T* rstd, const T* g,
                     const T* b, bool streaming = false, bool stream_out = false) const {

@@ -622,15 +622,16 @@ inline bool zen5_tuned() { return path_choices() == 2; }
 /// (dx_streams_channels_last): with the Intel and the Zen 5 path choices
 /// (path_choices). Measured on an AMD Zen 5 guest (1 MB of L2, AVX-512,
 /// float, both settings alternating in one process, the same bits),
-/// against ordinary stores: LayerNorm backward
-/// 0.88-0.95x the time with x at 0.5-4 MB (170x768 to 1024x1024, 1024x256),
-/// RMSNorm 0.88-0.98x, 2048x768 (under the 6 MB gate) 1.00x; on 2 threads
-/// 0.84-0.94x and 0.76-0.93x. BatchNorm backward channels-last 0.85x at
-/// (N,C) 4096x512, 0.88-0.97x at 32x64x56x56, 256x256x14x14 and
-/// 64x512x7x7 (2 threads 0.86-0.96x). (The Intel set's other choices lost
-/// there: LayerNorm forward 1.03-1.09x the time, BatchNorm's fused
-/// training forward 1.10-1.16x at 32x64x56x56.) On Zen 4 the channels-last
-/// dx lost (1.10-1.14x), and the L2 one was not measured.
+/// against ordinary stores: LayerNorm backward 0.88-0.95x the time with x
+/// at 0.5-4 MB (170x768 to 1024x1024, 1024x256), RMSNorm 0.88-0.98x,
+/// 2048x768 (x of 6 MiB, which streams anyway: streaming_backward) 1.00x;
+/// on 2 threads 0.84-0.94x and 0.76-0.93x. BatchNorm backward
+/// channels-last 0.85x at (N,C) 4096x512, 0.88-0.97x at 32x64x56x56,
+/// 256x256x14x14 and 64x512x7x7 (2 threads 0.86-0.96x). (The Intel set's
+/// other choices lost there: LayerNorm forward 1.01-1.14x the time on rows
+/// of 2048-8192 floats, BatchNorm's fused training forward 1.10-1.16x at
+/// 32x64x56x56.) On Zen 4 the channels-last dx lost (1.10-1.14x), and the
+/// L2 one was not measured.
 inline bool dx_streams_tuned() { return path_choices() != 0; }
 
 /// Rows shorter than this many bytes keep ordinary dx stores under the
@@ -645,18 +646,18 @@ inline Index backward_l2_bytes() { return l2_cache_bytes() > 0 ? l2_cache_bytes(
 /// writes dx with streaming stores (where dx can take them): on Intel CPUs
 /// and AMD Zen 5 (dx_streams_tuned), rows of at least kL2StreamRowBytes,
 /// when what each of the `threads` threads touches, x, dy and dx
-/// (3 * x / threads), is more than the L2 (backward_l2_bytes: the OS's, or 2 MiB). A dx written
-/// through the cache then evicts the x and dy lines that the row's second
-/// pass, or the next call over the same input, reads; streamed, x and dy
-/// stay in the L2. Measured on an Intel Xeon guest (2 MB of L2, AVX-512,
-/// float, the same input every call, two builds alternating), against
-/// ordinary stores: 1 thread, LayerNorm backward 0.77-0.82x the time with
-/// x at 0.75-1 MB (256x768, 192x1024, 256x1024, 341x768), 0.79-0.99x at
-/// 1-4 MB with rows of 512-2048 floats, 0.89-0.98x with rows of 256;
-/// RMSNorm 0.58-0.93x. But x at 0.5 MB (which the L2 holds with dx):
-/// 1.13x and 1.35x for RMSNorm at 170x768 and 512x256; rows of 64 and 128
-/// at 2-4 MB: 1.02-1.12x. On 2 threads: 0.67-0.75x at 512x768 and
-/// 768x768, 0.75-0.88x at 1.5 MB (384x1024, 1536x256), but 1.04-1.37x
+/// (3 * x / threads), is more than the L2 (backward_l2_bytes: the OS's, or
+/// 2 MiB). A dx written through the cache then evicts the x and dy lines
+/// that the row's second pass, or the next call over the same input, reads;
+/// streamed, x and dy stay in the L2. Measured on an Intel Xeon guest (2 MB
+/// of L2, AVX-512, float, the same input every call, two builds
+/// alternating), against ordinary stores: 1 thread, LayerNorm backward
+/// 0.77-0.82x the time with x at 0.75-1 MB (256x768, 192x1024, 256x1024,
+/// 341x768), 0.79-0.99x at 1-4 MB with rows of 512-2048 floats, 0.89-0.98x
+/// with rows of 256; RMSNorm 0.58-0.93x. But x at 0.5 MB (which the L2
+/// holds with dx): 1.13x and 1.35x for RMSNorm at 170x768 and 512x256; rows
+/// of 64 and 128 at 2-4 MB: 1.02-1.12x. On 2 threads: 0.67-0.75x at 512x768
+/// and 768x768, 0.75-0.88x at 1.5 MB (384x1024, 1536x256), but 1.04-1.37x
 /// at 1 MB (256x1024, 1024x256: 0.5 MB a thread).
 template <typename S, typename T>
 bool l2_backward_streams(Index rows, Index n, Index threads) {
