@@ -597,9 +597,10 @@ class LayerNorm {
   // next row instead, forward_requests), 0.99-1.03x on rows of 3072-8192;
   // without bias 0.94-0.97x, and without weight and bias 0.77x (1024) and
   // 0.81x (4096-8192). Hence: rows not requested, except long ones with
-  // both. The interleaving only where the build has 32 vector registers: the loop keeps the
-  // kernel's 16 accumulators and the normalize's 3 coefficients in
-  // registers, which 16 (SSE, AVX2) would spill; not measured there.
+  // both. The interleaving only where the build has 32 vector registers:
+  // the loop keeps the kernel's 16 accumulators and the normalize's 3
+  // coefficients in registers, which 16 (SSE, AVX2) would spill; not
+  // measured there.
   static bool interleave_long_rows(Index n, bool request, const T* g, const T* b) {
     return detail::kWideRegisterFile && !request &&
            !(g && b && n * static_cast<Index>(sizeof(T)) > kRequestMaxRowBytes);
