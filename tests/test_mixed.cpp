@@ -543,28 +543,34 @@ TEST(Mixed, BatchNormAgreesWithTheRoundedReference) {
 }
 
 TEST(Fused, ThreadsGiveTheSerialResult) {
-  const Index rows = 300, n = 256;
-  const std::size_t N = static_cast<std::size_t>(rows * n);
-  const auto xs = to16<Eigen::bfloat16>(randn<float>(N, 61));
-  const auto rs = to16<Eigen::bfloat16>(randn<float>(N, 62, 0.5, 3.0));
-  Eigen::TensorMap<const Eigen::Tensor<Eigen::bfloat16, 2, Eigen::RowMajor>> x(xs.data(), rows, n), r(rs.data(), rows, n);
-  normcore::LayerNorm<float> ln(normcore::LayerNormOptions({n}));
-  Eigen::ThreadPool pool(3);
-  Eigen::ThreadPoolDevice dev(&pool, 3);
-  Eigen::Tensor<Eigen::bfloat16, 2, Eigen::RowMajor> h1(rows, n), y1(rows, n), h3(rows, n), y3(rows, n);
-  normcore::NormStats<float> s1, s3;
-  ln.forward_add(x, r, h1, y1, &s1);
-  ln.forward_add(dev, x, r, h3, y3, &s3);
-  EXPECT_TRUE(bit_equal(h1.data(), h3.data(), N));
-  EXPECT_TRUE(bit_equal(y1.data(), y3.data(), N));
-  EXPECT_TRUE(bit_equal(s1.mean.data(), s3.mean.data(), static_cast<std::size_t>(rows)));
-  Eigen::Tensor<Eigen::bfloat16, 2, Eigen::RowMajor> d1(rows, n), d3(rows, n);
-  Eigen::Tensor<float, 1> w1, w3, b1, b3;
-  ln.backward_add(h1, y1, &x, &d1, &w1, &b1, &s1);
-  ln.backward_add(dev, h1, y1, &x, &d3, &w3, &b3, &s1);
-  EXPECT_TRUE(bit_equal(d1.data(), d3.data(), N));
-  EXPECT_TRUE(bit_equal(w1.data(), w3.data(), static_cast<std::size_t>(n)));
-  EXPECT_TRUE(bit_equal(b1.data(), b3.data(), static_cast<std::size_t>(n)));
+  // 300 rows: split across the threads; 3 rows: fewer values than one
+  // thread's share, so the device call takes the calling thread's path.
+  for (const Index rows : {Index(300), Index(3)}) {
+    SCOPED_TRACE(::testing::Message() << rows << " rows");
+    const Index n = 256;
+    const std::size_t N = static_cast<std::size_t>(rows * n);
+    const auto xs = to16<Eigen::bfloat16>(randn<float>(N, 61));
+    const auto rs = to16<Eigen::bfloat16>(randn<float>(N, 62, 0.5, 3.0));
+    Eigen::TensorMap<const Eigen::Tensor<Eigen::bfloat16, 2, Eigen::RowMajor>> x(xs.data(), rows, n),
+        r(rs.data(), rows, n);
+    normcore::LayerNorm<float> ln(normcore::LayerNormOptions({n}));
+    Eigen::ThreadPool pool(3);
+    Eigen::ThreadPoolDevice dev(&pool, 3);
+    Eigen::Tensor<Eigen::bfloat16, 2, Eigen::RowMajor> h1(rows, n), y1(rows, n), h3(rows, n), y3(rows, n);
+    normcore::NormStats<float> s1, s3;
+    ln.forward_add(x, r, h1, y1, &s1);
+    ln.forward_add(dev, x, r, h3, y3, &s3);
+    EXPECT_TRUE(bit_equal(h1.data(), h3.data(), N));
+    EXPECT_TRUE(bit_equal(y1.data(), y3.data(), N));
+    EXPECT_TRUE(bit_equal(s1.mean.data(), s3.mean.data(), static_cast<std::size_t>(rows)));
+    Eigen::Tensor<Eigen::bfloat16, 2, Eigen::RowMajor> d1(rows, n), d3(rows, n);
+    Eigen::Tensor<float, 1> w1, w3, b1, b3;
+    ln.backward_add(h1, y1, &x, &d1, &w1, &b1, &s1);
+    ln.backward_add(dev, h1, y1, &x, &d3, &w3, &b3, &s1);
+    EXPECT_TRUE(bit_equal(d1.data(), d3.data(), N));
+    EXPECT_TRUE(bit_equal(w1.data(), w3.data(), static_cast<std::size_t>(n)));
+    EXPECT_TRUE(bit_equal(b1.data(), b3.data(), static_cast<std::size_t>(n)));
+  }
 }
 
 TEST(Fused, BackwardAddNeedsDx) {

@@ -108,6 +108,9 @@ TEST(Threads, BatchNormBitIdenticalForAnyThreadCount) {
   // In double, so that a change in the order of the merges (in double)
   // shows in the outputs.
   check_batch_norm<-1, double>(1, 1024, 12 * 256 + 17);
+  // Fewer values than one thread's share: the calling thread's path.
+  check_batch_norm<1>(2, 8, 30);
+  check_batch_norm<-1>(2, 8, 30);
 }
 
 // With the Intel path choices, channels-first inputs the L2 does not hold

@@ -217,10 +217,12 @@ class BatchNorm {
   /// any thread count.
   template <typename Device, typename X, typename Y, typename = std::enable_if_t<detail::is_device<Device>::value>>
   void forward(const Device& device, const X& x, Y&& y) {
+    if (detail::to_serial(device, x.size())) return forward_impl(Serial(), x, y, nullptr);
     forward_impl(device, x, y, nullptr);
   }
   template <typename Device, typename X, typename Y, typename = std::enable_if_t<detail::is_device<Device>::value>>
   void forward(const Device& device, const X& x, Y&& y, NormStats<T>& saved) {
+    if (detail::to_serial(device, x.size())) return forward_impl(Serial(), x, y, &saved);
     forward_impl(device, x, y, &saved);
   }
 
@@ -238,6 +240,7 @@ class BatchNorm {
             typename = std::enable_if_t<detail::is_device<Device>::value>>
   void backward(const Device& device, const X& x, const DY& dy, DX dx, Eigen::Tensor<P, 1>* dweight,
                 Eigen::Tensor<P, 1>* dbias, const NormStats<T>* saved = nullptr) const {
+    if (detail::to_serial(device, x.size())) return backward(Serial(), x, dy, dx, dweight, dbias, saved);
     detail::check_storage<T, X>();
     detail::check_same_scalar<X, DY>();
     if constexpr (detail::is_16bit<X>()) {

@@ -207,10 +207,12 @@ class LayerNorm {
   /// The same on a device's threads (e.g. an Eigen::ThreadPoolDevice).
   template <typename Device, typename X, typename Y, typename = std::enable_if_t<detail::is_device<Device>::value>>
   void forward(const Device& device, const X& x, Y&& y) const {
+    if (detail::to_serial(device, x.size())) return forward_impl(Serial(), x, y, nullptr);
     forward_impl(device, x, y, nullptr);
   }
   template <typename Device, typename X, typename Y, typename = std::enable_if_t<detail::is_device<Device>::value>>
   void forward(const Device& device, const X& x, Y&& y, NormStats<T>& saved) const {
+    if (detail::to_serial(device, x.size())) return forward_impl(Serial(), x, y, &saved);
     forward_impl(device, x, y, &saved);
   }
 
@@ -229,6 +231,8 @@ class LayerNorm {
             typename = std::enable_if_t<detail::is_device<Device>::value>>
   void backward(const Device& device, const X& x, const DY& dy, DX dx, Eigen::Tensor<P, 1>* dweight,
                 Eigen::Tensor<P, 1>* dbias, const NormStats<T>* saved = nullptr) const {
+    if (detail::to_serial(device, x.size()))
+      return backward_entry(Serial(), x, dy, dx, static_cast<const X*>(nullptr), dweight, dbias, saved);
     backward_entry(device, x, dy, dx, static_cast<const X*>(nullptr), dweight, dbias, saved);
   }
 
@@ -246,6 +250,7 @@ class LayerNorm {
             typename = std::enable_if_t<detail::is_device<Device>::value>>
   void forward_add(const Device& device, const X& x, const R& residual, H&& h, Y&& y,
                    NormStats<T>* saved = nullptr) const {
+    if (detail::to_serial(device, x.size())) return forward_add(Serial(), x, residual, h, y, saved);
     detail::fused_add_norm(device, kWho, options_.normalized_shape(), x, residual, h, y, saved,
                            [&](auto& hh, auto& yy, NormStats<T>* st) { forward_impl(device, hh, yy, st); },
                            [&](const auto* xb, auto* yb, Index count, Index r0, NormStats<T>* st,
@@ -283,6 +288,8 @@ class LayerNorm {
                     Eigen::Tensor<P, 1>* dweight, Eigen::Tensor<P, 1>* dbias,
                     const NormStats<T>* saved = nullptr) const {
     if (!dx) detail::fail(std::string(kWho) + ": backward_add needs dx, got nullptr");
+    if (detail::to_serial(device, h.size()))
+      return backward_entry(Serial(), h, dy, dx, dh_next, dweight, dbias, saved);
     backward_entry(device, h, dy, dx, dh_next, dweight, dbias, saved);
   }
 
