@@ -221,6 +221,25 @@ void check_batch_independence(Index n) {
     ASSERT_EQ(std::memcmp(&y1(0, j), &y(pick, j), sizeof(T)), 0) << "y, j=" << j;
     ASSERT_EQ(std::memcmp(&dx1(0, j), &dx(pick, j), sizeof(T)), 0) << "dx, j=" << j;
   }
+  // Batches of 2 and 3 rows starting at the picked one (the short-row
+  // kernels run only the chains a partial group needs).
+  for (const Index count : {Index(2), Index(3)}) {
+    SCOPED_TRACE(::testing::Message() << count << " rows");
+    const auto first = static_cast<std::ptrdiff_t>(pick * n), last = static_cast<std::ptrdiff_t>((pick + count) * n);
+    const std::vector<T> xb(xl.begin() + first, xl.begin() + last), dyb(dyl.begin() + first, dyl.begin() + last);
+    const auto xbs = rm ? xb : to_colmajor(xb, count, n);
+    const auto dybs = rm ? dyb : to_colmajor(dyb, count, n);
+    MapC<T, Layout> xc(xbs.data(), count, n), dyc(dybs.data(), count, n);
+    Mat<T, Layout> yc = ln(xc);
+    Mat<T, Layout> dxc(count, n);
+    ln.backward(xc, dyc, &dxc, nullptr, nullptr);
+    for (Index i = 0; i < count; ++i) {
+      for (Index j = 0; j < n; ++j) {
+        ASSERT_EQ(std::memcmp(&yc(i, j), &y(pick + i, j), sizeof(T)), 0) << "y, i=" << i << " j=" << j;
+        ASSERT_EQ(std::memcmp(&dxc(i, j), &dx(pick + i, j), sizeof(T)), 0) << "dx, i=" << i << " j=" << j;
+      }
+    }
+  }
 }
 
 TYPED_TEST(LayerNormTest, BatchSizeIndependenceBitForBit) {
