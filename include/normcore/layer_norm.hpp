@@ -1234,6 +1234,7 @@ class LayerNorm {
     // Second pass over R rows from row r (R = 1, or 2 side by side: the
     // block's dweight/dbias sums loaded and stored once for both, each row's
     // terms added in row order, so the same bits as one row at a time).
+    const bool into_l1 = ahead && detail::backward_requests_into_l1();
     const auto second = [&](auto rows_c, Index r, const detail::BackwardCoeffs<T>* c) {
       constexpr int R = decltype(rows_c)::value;
       const S* xr[R];
@@ -1252,7 +1253,7 @@ class LayerNorm {
       const bool next = R == 1 && ahead && r + 1 < rows;  // detail::prefetch_next_row
       Index j = 0;
       for (; j + L <= n; j += L) {
-        if (next) detail::request_next_row<L>(xr[0] + n, gr[0] + n, j);
+        if (next) detail::request_next_row<L>(xr[0] + n, gr[0] + n, j, into_l1);
         Packet dyv[R], xh[R];
         NORMCORE_UNROLL
         for (int i = 0; i < R; ++i) {

@@ -938,6 +938,7 @@ class RMSNorm {
     // by side: the block's dweight sums loaded and stored once for both,
     // each row's terms added in row order, so the same bits as one row at a
     // time).
+    const bool into_l1 = ahead && detail::backward_requests_into_l1();
     const auto second = [&](auto rows_c, Index i, const T* c) {
       constexpr int R = decltype(rows_c)::value;
       const S* xr[R];
@@ -955,7 +956,7 @@ class RMSNorm {
       const bool next = R == 1 && ahead && i + 1 < count;  // detail::prefetch_next_row
       Index j = 0;
       for (; j + L <= n; j += L) {
-        if (next) detail::request_next_row<L>(xr[0] + n, gr[0] + n, j);
+        if (next) detail::request_next_row<L>(xr[0] + n, gr[0] + n, j, into_l1);
         Packet dyv[R], xh[R];
         NORMCORE_UNROLL
         for (int k = 0; k < R; ++k) {
