@@ -203,12 +203,16 @@ void check_batch_independence(Index n) {
   const auto xl = randn<T>(static_cast<std::size_t>(rows * n), 9, 3.0, 2.0);
   const auto dyl = randn<T>(static_cast<std::size_t>(rows * n), 10);
   const bool rm = Layout == Eigen::RowMajor;
-  const auto xs = rm ? xl : to_colmajor(xl, rows, n);
-  const auto dys = rm ? dyl : to_colmajor(dyl, rows, n);
-  MapC<T, Layout> x(xs.data(), rows, n), dy(dys.data(), rows, n);
-  Mat<T, Layout> y = ln(x);
-  Mat<T, Layout> dx(rows, n);
-  ln.backward(x, dy, &dx, nullptr, nullptr);
+  // y and dx of `count` rows (x and dy given RowMajor) as one batch.
+  const auto batch = [&](const std::vector<T>& xr, const std::vector<T>& dyr, Index count) {
+    const auto xs = rm ? xr : to_colmajor(xr, count, n);
+    const auto dys = rm ? dyr : to_colmajor(dyr, count, n);
+    MapC<T, Layout> x(xs.data(), count, n), dy(dys.data(), count, n);
+    std::pair<Mat<T, Layout>, Mat<T, Layout>> out{ln(x), Mat<T, Layout>(count, n)};
+    ln.backward(x, dy, &out.second, nullptr, nullptr);
+    return out;
+  };
+  const auto [y, dx] = batch(xl, dyl, rows);
   // The picked row alone, stored one element past an aligned address.
   std::vector<T> one(static_cast<std::size_t>(n + 1)), gone(static_cast<std::size_t>(n + 1));
   std::copy(xl.begin() + pick * n, xl.begin() + (pick + 1) * n, one.begin() + 1);
@@ -226,13 +230,8 @@ void check_batch_independence(Index n) {
   for (const Index count : {Index(2), Index(3)}) {
     SCOPED_TRACE(::testing::Message() << count << " rows");
     const auto first = static_cast<std::ptrdiff_t>(pick * n), last = static_cast<std::ptrdiff_t>((pick + count) * n);
-    const std::vector<T> xb(xl.begin() + first, xl.begin() + last), dyb(dyl.begin() + first, dyl.begin() + last);
-    const auto xbs = rm ? xb : to_colmajor(xb, count, n);
-    const auto dybs = rm ? dyb : to_colmajor(dyb, count, n);
-    MapC<T, Layout> xc(xbs.data(), count, n), dyc(dybs.data(), count, n);
-    Mat<T, Layout> yc = ln(xc);
-    Mat<T, Layout> dxc(count, n);
-    ln.backward(xc, dyc, &dxc, nullptr, nullptr);
+    const auto [yc, dxc] = batch(std::vector<T>(xl.begin() + first, xl.begin() + last),
+                                 std::vector<T>(dyl.begin() + first, dyl.begin() + last), count);
     for (Index i = 0; i < count; ++i) {
       for (Index j = 0; j < n; ++j) {
         ASSERT_EQ(std::memcmp(&yc(i, j), &y(pick + i, j), sizeof(T)), 0) << "y, i=" << i << " j=" << j;

@@ -708,8 +708,8 @@ EIGEN_ALWAYS_INLINE void request_lines(const T* next, Index j) {
 /// (prefetch_next_row) go into the L1 as well as the L2: on AMD Zen 5
 /// (zen5_tuned). Measured on a Zen 5 guest (48 KB of L1d, 1 MB of L2;
 /// AVX-512, float, both kinds in one process, the median of 15 paired
-/// ratios in each of two or three processes) against requests into the L2:
-/// LayerNorm backward 0.86-0.97x the time at 8192x1024, 4096x2048 and
+/// ratios in each of one to three processes) against requests into the L2:
+/// LayerNorm backward 0.86-0.98x the time at 8192x1024, 4096x2048 and
 /// 16384x512, 0.94-0.98x at 4096x4096 and 16384x4096; RMSNorm 0.93-0.98x
 /// at 4096x2560, 8192x1024 and 16384x512, 0.97-1.00x at 4096x2048,
 /// 4096x4096 and 16384x4096. On 2 threads LayerNorm 0.88-0.98x, RMSNorm
