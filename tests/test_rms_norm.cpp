@@ -183,39 +183,45 @@ TEST(RMSNormErrors, ShapesAndMissingWeight) {
 // Inputs of normcore::detail::kStreamingBytes or more take other forward paths:
 // short rows in groups that prefetch the next group, long rows one at a
 // time, and rows of more than 4 KB (here 1500 values, with a tail) request
-// the next row as they are scaled (detail::forward_requests). The same bits
+// the next row as they are scaled (detail::forward_requests; into the L1 with
+// the third set of path choices). The same bits
 // as the same rows in calls below the threshold, in place too.
 TYPED_TEST(RMSNormTest, LargeInputForwardSameBitsAsSmallCalls) {
   using T = TypeParam;
   // Streaming stores from the streaming gate on (the default threshold may
   // be higher on a machine with a large L3), then, once a case, none.
   const nctest::StreamThreshold streams(normcore::detail::kStreamingBytes);
-  for (Index n : {Index(64), Index(1000), Index(1024), Index(1500)}) {
-    SCOPED_TRACE(::testing::Message() << "n=" << n);
-    const Index row_bytes = n * static_cast<Index>(sizeof(T));
-    const Index rows = normcore::detail::kStreamingBytes / row_bytes + 5;
-    RMSNorm<T> rn(RMSNormOptions({n}));
-    const auto gv = randn<T>(static_cast<std::size_t>(n), 7, 1.0, 0.5);
-    std::copy(gv.begin(), gv.end(), rn.weight().data());
-    const auto buf = randn<T>(static_cast<std::size_t>(rows * n), 22, 0.5, 2.0);
-    Eigen::TensorMap<const Eigen::Tensor<T, 2, Eigen::RowMajor>> x(buf.data(), rows, n);
-    Eigen::Tensor<T, 2, Eigen::RowMajor> y(rows, n);
-    rn.forward(x, y);
-    ASSERT_TRUE(nctest::same_bits_with_ordinary_stores(rn, x, y));
-    const Index chunk = 1000;
-    ASSERT_LT(chunk * row_bytes, normcore::detail::kStreamingBytes);
-    for (Index r0 = 0; r0 < rows; r0 += chunk) {
-      const Index m = std::min(chunk, rows - r0);
-      Eigen::TensorMap<const Eigen::Tensor<T, 2, Eigen::RowMajor>> xs(buf.data() + r0 * n, m, n);
-      Eigen::Tensor<T, 2, Eigen::RowMajor> ys(m, n);
-      rn.forward(xs, ys);
-      ASSERT_EQ(std::memcmp(ys.data(), y.data() + r0 * n, static_cast<std::size_t>(m * row_bytes)), 0)
-          << "rows " << r0 << ".." << r0 + m;
+  // With each set of path choices (Zen 5's requests go into the L1).
+  for (int tuning : {0, 1, 2}) {
+    const nctest::IntelTuning paths(tuning);
+    SCOPED_TRACE(::testing::Message() << "path choices " << tuning);
+    for (Index n : {Index(64), Index(1000), Index(1024), Index(1500)}) {
+      SCOPED_TRACE(::testing::Message() << "n=" << n);
+      const Index row_bytes = n * static_cast<Index>(sizeof(T));
+      const Index rows = normcore::detail::kStreamingBytes / row_bytes + 5;
+      RMSNorm<T> rn(RMSNormOptions({n}));
+      const auto gv = randn<T>(static_cast<std::size_t>(n), 7, 1.0, 0.5);
+      std::copy(gv.begin(), gv.end(), rn.weight().data());
+      const auto buf = randn<T>(static_cast<std::size_t>(rows * n), 22, 0.5, 2.0);
+      Eigen::TensorMap<const Eigen::Tensor<T, 2, Eigen::RowMajor>> x(buf.data(), rows, n);
+      Eigen::Tensor<T, 2, Eigen::RowMajor> y(rows, n);
+      rn.forward(x, y);
+      ASSERT_TRUE(nctest::same_bits_with_ordinary_stores(rn, x, y));
+      const Index chunk = 1000;
+      ASSERT_LT(chunk * row_bytes, normcore::detail::kStreamingBytes);
+      for (Index r0 = 0; r0 < rows; r0 += chunk) {
+        const Index m = std::min(chunk, rows - r0);
+        Eigen::TensorMap<const Eigen::Tensor<T, 2, Eigen::RowMajor>> xs(buf.data() + r0 * n, m, n);
+        Eigen::Tensor<T, 2, Eigen::RowMajor> ys(m, n);
+        rn.forward(xs, ys);
+        ASSERT_EQ(std::memcmp(ys.data(), y.data() + r0 * n, static_cast<std::size_t>(m * row_bytes)), 0)
+            << "rows " << r0 << ".." << r0 + m;
+      }
+      auto copy = buf;
+      Eigen::TensorMap<Eigen::Tensor<T, 2, Eigen::RowMajor>> inplace(copy.data(), rows, n);
+      rn.forward(inplace, inplace);
+      ASSERT_EQ(std::memcmp(copy.data(), y.data(), static_cast<std::size_t>(rows * row_bytes)), 0) << "in place";
     }
-    auto copy = buf;
-    Eigen::TensorMap<Eigen::Tensor<T, 2, Eigen::RowMajor>> inplace(copy.data(), rows, n);
-    rn.forward(inplace, inplace);
-    ASSERT_EQ(std::memcmp(copy.data(), y.data(), static_cast<std::size_t>(rows * row_bytes)), 0) << "in place";
   }
 }
 

@@ -481,6 +481,14 @@ class RMSNorm {
   // it can (detail::can_stream_rows) and `stream_out` (a streaming call whose
   // input is at least forward_stream_threshold()), as in LayerNorm's forward; other
   // inputs take a loop that only scales.
+  // On AMD Zen 5 (detail::zen5_tuned) the requests go into the L1 as well
+  // (detail::request_next<true>). Measured on a Zen 5 guest (48 KB of L1d;
+  // AVX-512, float, both kinds in one process, the median of 15 paired
+  // ratios in each of two processes) against requests into the L2:
+  // 0.88-0.92x the time at 4096x4096, 0.91-0.98x at 16384x4096, 0.90x at
+  // 2048x8192 (one process), 0.92-0.95x at 8192x1536, 0.95-1.00x at
+  // 4096x2048; on 2 threads 0.89-0.97x at 4096x2048, 4096x4096 and
+  // 16384x4096. The same bits: a request only moves lines.
   void forward_rows(const T* x, T* out, Index n, Index count, T* rsave, const T* g, bool streaming = false,
                     bool stream_out = false) const {
     constexpr int L = detail::simd<T>::L;
@@ -490,6 +498,7 @@ class RMSNorm {
     W rg[kResidentGroup];
     const bool stream = stream_out && detail::can_stream_rows(x, out, n, count);
     const bool request = detail::forward_requests(streaming, n, sizeof(T), std::numeric_limits<Index>::max());
+    const bool into_l1 = request && detail::zen5_tuned();
     for (Index r0 = 0; r0 < count; r0 += group) {
       const Index m = std::min(group, count - r0);
       rows_rstd(x + r0 * n, n, m, rg);
@@ -506,7 +515,13 @@ class RMSNorm {
         if (k < ahead) detail::prefetch_span(x + (i + m) * n, n * static_cast<Index>(sizeof(T)));
         const W ri = rg[k];
         const detail::RowValues<T> row{x + i * n};
-        if (request && i + 1 < count) {
+        if (into_l1 && i + 1 < count) {
+          if (stream) {
+            scale_values<true>(detail::request_next<true>(row, x + (i + 1) * n), out + i * n, n, ri, g);
+          } else {
+            scale_values<false>(detail::request_next<true>(row, x + (i + 1) * n), out + i * n, n, ri, g);
+          }
+        } else if (request && i + 1 < count) {
           if (stream) {
             scale_values<true>(detail::request_next(row, x + (i + 1) * n), out + i * n, n, ri, g);
           } else {
