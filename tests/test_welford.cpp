@@ -217,6 +217,19 @@ TYPED_TEST(MomentsTest, EveryLeftoverAfterFullChunks) {
         EXPECT_EQ(w.count(), double(n));
         EXPECT_NEAR(w.mean(), ref.mean, tol_elem<T>(3.0, double(n)) + tol<double>(3.0, double(n)));
         EXPECT_NEAR(w.m2(), ref.m2, tol_elem<T>(ref.m2, double(n)) + tol<double>(ref.m2, double(n)));
+        // In a batch, where long rows go two at a time (detail::kPairRows):
+        // each row's bits as alone, in either place of a pair.
+        const auto u = randn<T>(static_cast<std::size_t>(2 * n), unsigned(n + 1), -1.0, 2.0);
+        std::vector<T> batch(v);
+        batch.insert(batch.end(), u.begin(), u.end());
+        Welford<double> w3[3];
+        normcore::rows_moments(batch.data(), n, n, 3, w3);
+        for (Index r = 0; r < 3; ++r) {
+          const Welford<double> alone = normcore::row_moments(batch.data() + r * n, n, batch[std::size_t(r * n)]);
+          EXPECT_EQ(w3[r].count(), alone.count()) << "row " << r;
+          EXPECT_EQ(w3[r].mean(), alone.mean()) << "row " << r;
+          EXPECT_EQ(w3[r].m2(), alone.m2()) << "row " << r;
+        }
       }
     }
   }

@@ -150,16 +150,86 @@ EIGEN_ALWAYS_INLINE typename simd<double>::Packet load_as_double(const T* p) {
   }
 }
 
-/// Merges S states of equal count k (T arrays) into one double Welford
-/// state. For equal counts Chan's pairwise tree collapses to a closed form:
-/// mean = average of the means, M2 = sum of M2 + k * sum (mean_i - mean)^2,
-/// a two-pass over the S means in double (exact up to double rounding).
-template <typename T, int S>
-Welford<double> merge_equal(const T* mean, const T* m2, double k) {
+/// Lanes [H * LD, (H + 1) * LD) of a packet of simd<T> as a double packet
+/// (LD: simd<double>::L; each value widened exactly), converted in
+/// registers; for T double, the packet itself (H = 0). Defined where
+/// kRegisterMerge says.
+template <int H, typename T>
+EIGEN_ALWAYS_INLINE typename simd<double>::Packet half_as_double(const typename simd<T>::Packet& p) {
+  if constexpr (std::is_same<T, double>::value) {
+    static_assert(H == 0, "a packet of doubles is one double packet");
+    return p;
+  } else {
+#if defined(EIGEN_VECTORIZE_AVX512)
+    if constexpr (H == 0) return _mm512_cvtps_pd(_mm512_castps512_ps256(p));
+    if constexpr (H == 1) return _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(p), 1)));
+#elif defined(EIGEN_VECTORIZE_AVX)
+    if constexpr (H == 0) return _mm256_cvtps_pd(_mm256_castps256_ps128(p));
+    if constexpr (H == 1) return _mm256_cvtps_pd(_mm256_extractf128_ps(p, 1));
+#elif defined(EIGEN_VECTORIZE_SSE2)
+    if constexpr (H == 0) return _mm_cvtps_pd(p);
+    if constexpr (H == 1) return _mm_cvtps_pd(_mm_movehl_ps(p, p));
+#elif defined(EIGEN_VECTORIZE_NEON) && defined(__aarch64__)
+    if constexpr (H == 0) return vcvt_f64_f32(vget_low_f32(p));
+    if constexpr (H == 1) return vcvt_high_f64_f32(p);
+#endif
+  }
+}
+
+/// Whether half_as_double is defined for T: doubles, and floats where the
+/// build's float packets hold two double packets' worth (x86 from SSE2 up,
+/// 64-bit Arm).
+template <typename T>
+constexpr bool kRegisterMerge =
+    std::is_same<T, double>::value ||
+#if defined(EIGEN_VECTORIZE_AVX512) || defined(EIGEN_VECTORIZE_AVX) || defined(EIGEN_VECTORIZE_SSE2) || \
+    (defined(EIGEN_VECTORIZE_NEON) && defined(__aarch64__))
+    (std::is_same<T, float>::value && simd<T>::L == 2 * simd<double>::L);
+#else
+    false;
+#endif
+
+/// One double Welford state from the means m and M2s q of S states of equal
+/// count k, widened to double (S / simd<double>::L packets each, state i in
+/// lane i). For equal counts Chan's pairwise tree collapses to a closed
+/// form: mean = average of the means, M2 = sum of M2 + k * sum (mean_i -
+/// mean)^2, a two-pass over the S means in double (exact up to double
+/// rounding).
+template <int S>
+EIGEN_ALWAYS_INLINE Welford<double> merge_equal_doubles(const typename simd<double>::Packet* m,
+                                                        const typename simd<double>::Packet* q, double k) {
   using namespace Eigen::internal;
   using PD = typename simd<double>::Packet;
   constexpr int LD = simd<double>::L;
-  double sum = 0, sq = 0, dev = 0;
+  static_assert(S % (2 * LD) == 0, "an even number of double packets");
+  PD s0 = pset1<PD>(0.0), s1 = s0;
+  NORMCORE_UNROLL
+  for (int i = 0; i < S / LD; i += 2) {
+    s0 = padd(s0, m[i]);
+    s1 = padd(s1, m[i + 1]);
+  }
+  const double sum = predux(padd(s0, s1));
+  const PD mu = pset1<PD>(sum / S);
+  PD q0 = pset1<PD>(0.0), q1 = q0, d0 = q0, d1 = q0;
+  NORMCORE_UNROLL
+  for (int i = 0; i < S / LD; i += 2) {
+    q0 = padd(q0, q[i]);
+    q1 = padd(q1, q[i + 1]);
+    const PD e0 = psub(m[i], mu), e1 = psub(m[i + 1], mu);
+    d0 = pmadd(e0, e0, d0);
+    d1 = pmadd(e1, e1, d1);
+  }
+  const double sq = predux(padd(q0, q1));
+  const double dev = predux(padd(d0, d1));
+  return Welford<double>(k * S, sum / S, sq + k * dev);
+}
+
+/// Merges S states of equal count k (T arrays) into one double Welford
+/// state (merge_equal_doubles).
+template <typename T, int S>
+Welford<double> merge_equal(const T* mean, const T* m2, double k) {
+  using PD = typename simd<double>::Packet;
+  constexpr int LD = simd<double>::L;
   if constexpr (S % (2 * LD) == 0) {
     PD m[S / LD];
     PD q[S / LD];
@@ -168,26 +238,9 @@ Welford<double> merge_equal(const T* mean, const T* m2, double k) {
       m[i] = load_as_double(mean + i * LD);
       q[i] = load_as_double(m2 + i * LD);
     }
-    PD s0 = pset1<PD>(0.0), s1 = s0;
-    NORMCORE_UNROLL
-    for (int i = 0; i < S / LD; i += 2) {
-      s0 = padd(s0, m[i]);
-      s1 = padd(s1, m[i + 1]);
-    }
-    sum = predux(padd(s0, s1));
-    const PD mu = pset1<PD>(sum / S);
-    PD q0 = pset1<PD>(0.0), q1 = q0, d0 = q0, d1 = q0;
-    NORMCORE_UNROLL
-    for (int i = 0; i < S / LD; i += 2) {
-      q0 = padd(q0, q[i]);
-      q1 = padd(q1, q[i + 1]);
-      const PD e0 = psub(m[i], mu), e1 = psub(m[i + 1], mu);
-      d0 = pmadd(e0, e0, d0);
-      d1 = pmadd(e1, e1, d1);
-    }
-    sq = predux(padd(q0, q1));
-    dev = predux(padd(d0, d1));
+    return merge_equal_doubles<S>(m, q, k);
   } else {
+    double sum = 0, sq = 0, dev = 0;
     double m[S];
     double q[S];
     NORMCORE_UNROLL
@@ -202,8 +255,35 @@ Welford<double> merge_equal(const T* mean, const T* m2, double k) {
       sq += q[i];
       dev += (m[i] - sum / S) * (m[i] - sum / S);
     }
+    return Welford<double>(k * S, sum / S, sq + k * dev);
   }
-  return Welford<double>(k * S, sum / S, sq + k * dev);
+}
+
+/// merge_equal of the A packets of states `mean` and `m2` (packet a: states
+/// a * L .. a * L + L - 1), widened in registers (kRegisterMerge): the same
+/// values in the same order, so the same bits as merge_equal<T, A * L> on
+/// the packets stored; without the stores and reloads, which the
+/// conversions waited for (on a Zen 5 guest, AVX-512 float: 0.90x the time
+/// of the moments of rows of 768).
+template <typename T, int A>
+EIGEN_ALWAYS_INLINE Welford<double> merge_equal_packets(const typename simd<T>::Packet* mean,
+                                                        const typename simd<T>::Packet* m2, double k) {
+  using PD = typename simd<double>::Packet;
+  constexpr int L = simd<T>::L;
+  constexpr int H = L / simd<double>::L;  // double packets per packet
+  static_assert(H == 1 || H == 2, "packets of float or double");
+  PD m[A * H];
+  PD q[A * H];
+  NORMCORE_UNROLL
+  for (int a = 0; a < A; ++a) {
+    m[a * H] = half_as_double<0, T>(mean[a]);
+    q[a * H] = half_as_double<0, T>(m2[a]);
+    if constexpr (H == 2) {
+      m[a * H + 1] = half_as_double<1, T>(mean[a]);
+      q[a * H + 1] = half_as_double<1, T>(m2[a]);
+    }
+  }
+  return merge_equal_doubles<A * L>(m, q, k);
 }
 
 }  // namespace detail
@@ -234,16 +314,31 @@ struct RowValues {
   EIGEN_ALWAYS_INLINE T value(Index j) const { return x[j]; }
 };
 
-template <typename T, int A, typename Src>
-Welford<double> row_moments_acc(const Src src, Index n, T pivot) {
+/// The moments of R rows (sources[0..R), pivots[0..R)) side by side, into
+/// total[0..R): each row's operations, and so its bits, are those of the
+/// row alone (R = 1); only their order in the program differs. Two rows in
+/// one loop (rows_moments' pairs, kPairRows) give the core two rows' chains
+/// and lane merges to overlap, where a row alone leaves it waiting on them:
+/// on a Zen 5 guest (AVX-512 float, in one process) rows_moments took
+/// 0.89-0.95x the time at 8x768 to 64x1024 before merge_equal_packets and
+/// 0.81-0.83x after it.
+template <typename T, int A, int R, typename Src>
+void rows_moments_acc(const Src* sources, Index n, const T* pivots, Welford<double>* total) {
   using namespace Eigen::internal;
   using S = detail::simd<T>;
   using Packet = typename S::Packet;
   constexpr int L = S::L;
   const auto& recip = detail::reciprocals<T>::table;
 
-  Welford<double> total;
-  const Packet pv = pset1<Packet>(pivot);
+  // Copies on the stack: see RowValues.
+  Src src[R];
+  Packet pv[R];
+  NORMCORE_UNROLL
+  for (int r = 0; r < R; ++r) {
+    src[r] = sources[r];
+    pv[r] = pset1<Packet>(pivots[r]);
+    total[r] = Welford<double>();
+  }
   const Index packets = n / L;  // full packets in the row
   Index p = 0;                  // packets consumed
   // Chunks of at most kChunk updates per lane; the leftover packets (fewer
@@ -251,30 +346,39 @@ Welford<double> row_moments_acc(const Src src, Index n, T pivot) {
   do {
     const Index iters = std::min<Index>((packets - p) / A, detail::kChunk);
     // The loop keeps its states in mu and q, which only the unrolled `a`
-    // indexes, so they stay in registers even when the source stores (the
-    // fused residual add); mean and m2, which the leftover loop below
+    // and `r` index, so they stay in registers even when the source stores
+    // (the fused residual add); mean and m2, which the leftover loop below
     // indexes at run time, live in memory.
-    Packet mean[A];
-    Packet m2[A];
+    Packet mean[R][A];
+    Packet m2[R][A];
     {
-      Packet mu[A];
-      Packet q[A];
+      Packet mu[R][A];
+      Packet q[R][A];
       NORMCORE_UNROLL
-      for (int a = 0; a < A; ++a) mu[a] = q[a] = pset1<Packet>(T(0));
+      for (int r = 0; r < R; ++r) {
+        NORMCORE_UNROLL
+        for (int a = 0; a < A; ++a) mu[r][a] = q[r][a] = pset1<Packet>(T(0));
+      }
       for (Index it = 1; it <= iters; ++it, p += A) {
         const Packet inv = pset1<Packet>(recip[static_cast<std::size_t>(it)]);
         NORMCORE_UNROLL
         for (int a = 0; a < A; ++a) {
-          const Packet d = psub(src.template packet<Packet>((p + a) * L), pv);
-          const Packet delta = psub(d, mu[a]);
-          mu[a] = pmadd(delta, inv, mu[a]);
-          q[a] = pmadd(delta, psub(d, mu[a]), q[a]);
+          NORMCORE_UNROLL
+          for (int r = 0; r < R; ++r) {
+            const Packet d = psub(src[r].template packet<Packet>((p + a) * L), pv[r]);
+            const Packet delta = psub(d, mu[r][a]);
+            mu[r][a] = pmadd(delta, inv, mu[r][a]);
+            q[r][a] = pmadd(delta, psub(d, mu[r][a]), q[r][a]);
+          }
         }
       }
       NORMCORE_UNROLL
-      for (int a = 0; a < A; ++a) {
-        mean[a] = mu[a];
-        m2[a] = q[a];
+      for (int r = 0; r < R; ++r) {
+        NORMCORE_UNROLL
+        for (int a = 0; a < A; ++a) {
+          mean[r][a] = mu[r][a];
+          m2[r][a] = q[r][a];
+        }
       }
     }
     T count[A];
@@ -287,30 +391,42 @@ Welford<double> row_moments_acc(const Src src, Index n, T pivot) {
     if (last && p < packets) {
       const Packet inv = pset1<Packet>(recip[static_cast<std::size_t>(iters + 1)]);
       for (int a = 0; p < packets; ++a, ++p) {
-        const Packet d = psub(src.template packet<Packet>(p * L), pv);
-        const Packet delta = psub(d, mean[a]);
-        mean[a] = pmadd(delta, inv, mean[a]);
-        m2[a] = pmadd(delta, psub(d, mean[a]), m2[a]);
+        NORMCORE_UNROLL
+        for (int r = 0; r < R; ++r) {
+          const Packet d = psub(src[r].template packet<Packet>(p * L), pv[r]);
+          const Packet delta = psub(d, mean[r][a]);
+          mean[r][a] = pmadd(delta, inv, mean[r][a]);
+          m2[r][a] = pmadd(delta, psub(d, mean[r][a]), m2[r][a]);
+        }
         count[a] += T(1);
       }
     }
     // Merge every lane of every accumulator in double, in a fixed tree order.
     // When the leftover packets made the counts unequal, each accumulator's
     // lanes are merged on their own and the accumulators then in order.
-    alignas(64) T ms[A * L];
-    alignas(64) T qs[A * L];
     NORMCORE_UNROLL
-    for (int a = 0; a < A; ++a) {
-      pstoreu(ms + a * L, mean[a]);
-      pstoreu(qs + a * L, m2[a]);
-    }
-    if (count[0] == count[A - 1]) {
-      if (count[0] > T(0)) total.merge(detail::merge_equal<T, A * L>(ms, qs, static_cast<double>(count[0])));
-    } else {
+    for (int r = 0; r < R; ++r) {
+      if constexpr (detail::kRegisterMerge<T> && (A * L) % (2 * detail::simd<double>::L) == 0) {
+        if (count[0] == count[A - 1]) {
+          if (count[0] > T(0)) total[r].merge(detail::merge_equal_packets<T, A>(mean[r], m2[r], static_cast<double>(count[0])));
+          continue;
+        }
+      }
+      alignas(64) T ms[A * L];
+      alignas(64) T qs[A * L];
       NORMCORE_UNROLL
-      for (int a = 0; a < A; ++a)
-        if (count[a] > T(0))
-          total.merge(detail::merge_equal<T, L>(ms + a * L, qs + a * L, static_cast<double>(count[a])));
+      for (int a = 0; a < A; ++a) {
+        pstoreu(ms + a * L, mean[r][a]);
+        pstoreu(qs + a * L, m2[r][a]);
+      }
+      if (count[0] == count[A - 1]) {
+        if (count[0] > T(0)) total[r].merge(detail::merge_equal<T, A * L>(ms, qs, static_cast<double>(count[0])));
+      } else {
+        NORMCORE_UNROLL
+        for (int a = 0; a < A; ++a)
+          if (count[a] > T(0))
+            total[r].merge(detail::merge_equal<T, L>(ms + a * L, qs + a * L, static_cast<double>(count[a])));
+      }
     }
     if (last) break;
   } while (true);
@@ -318,28 +434,48 @@ Welford<double> row_moments_acc(const Src src, Index n, T pivot) {
   const Index full = packets * L;
   const Index rest = n - full;
   if (rest > 0) {
-    double sum = 0;
-    for (Index j = full; j < n; ++j) sum += static_cast<double>(src.value(j)) - static_cast<double>(pivot);
-    const double m = sum / static_cast<double>(rest);
-    double q = 0;
-    for (Index j = full; j < n; ++j) {
-      const double d = static_cast<double>(src.value(j)) - static_cast<double>(pivot) - m;
-      q += d * d;
+    NORMCORE_UNROLL
+    for (int r = 0; r < R; ++r) {
+      double sum = 0;
+      for (Index j = full; j < n; ++j) sum += static_cast<double>(src[r].value(j)) - static_cast<double>(pivots[r]);
+      const double m = sum / static_cast<double>(rest);
+      double q = 0;
+      for (Index j = full; j < n; ++j) {
+        const double d = static_cast<double>(src[r].value(j)) - static_cast<double>(pivots[r]) - m;
+        q += d * d;
+      }
+      total[r].merge(Welford<double>(static_cast<double>(rest), m, q));
     }
-    total.merge(Welford<double>(static_cast<double>(rest), m, q));
   }
+}
+
+template <typename T, int A, typename Src>
+EIGEN_ALWAYS_INLINE Welford<double> row_moments_acc(const Src src, Index n, T pivot) {
+  Welford<double> total;
+  rows_moments_acc<T, A, 1>(&src, n, &pivot, &total);
   return total;
+}
+
+/// The accumulators moments_of takes for rows of n values.
+template <typename T>
+constexpr int moments_accumulators(Index n) {
+  constexpr int L = detail::simd<T>::L;
+  constexpr int A = detail::simd<T>::A;
+  if (A >= 8 && n >= 8 * 4 * L) return 8;
+  if (A >= 4 && n >= 4 * 4 * L) return 4;
+  if (A >= 2 && n >= 2 * 4 * L) return 2;
+  return 1;
 }
 
 /// row_moments of the values a source gives (RowValues: a row in memory).
 template <typename T, typename Src>
 Welford<double> moments_of(const Src src, Index n, T pivot) {
-  constexpr int L = detail::simd<T>::L;
-  constexpr int A = detail::simd<T>::A;
-  if (A >= 8 && n >= 8 * 4 * L) return detail::row_moments_acc<T, (A >= 8 ? 8 : 1)>(src, n, pivot);
-  if (A >= 4 && n >= 4 * 4 * L) return detail::row_moments_acc<T, (A >= 4 ? 4 : 1)>(src, n, pivot);
-  if (A >= 2 && n >= 2 * 4 * L) return detail::row_moments_acc<T, 2>(src, n, pivot);
-  return detail::row_moments_acc<T, 1>(src, n, pivot);
+  switch (moments_accumulators<T>(n)) {
+    case 8: return detail::row_moments_acc<T, (detail::simd<T>::A >= 8 ? 8 : 1)>(src, n, pivot);
+    case 4: return detail::row_moments_acc<T, (detail::simd<T>::A >= 4 ? 4 : 1)>(src, n, pivot);
+    case 2: return detail::row_moments_acc<T, 2>(src, n, pivot);
+    default: return detail::row_moments_acc<T, 1>(src, n, pivot);
+  }
 }
 
 }  // namespace detail
@@ -1059,6 +1195,28 @@ void short_rows_moments(const T* const* rows, Index n, Welford<double>* out,
   for (int r = 0; r < R; ++r) out[r] = Welford<double>(static_cast<double>(n), mu[r], q[r]);
 }
 
+/// Whether rows_moments takes long rows two at a time (rows_moments_acc
+/// with R = 2): where two rows' Welford states (2 x A packets each) fit in
+/// the registers beside the loop's temporaries, that is with 32 vector
+/// registers and at most four accumulators (AVX-512 float). The same bits
+/// as a row at a time.
+template <typename T>
+constexpr bool kPairRows = EIGEN_ARCH_DEFAULT_NUMBER_OF_REGISTERS >= 32 && simd<T>::A <= 4;
+
+/// row_moments of rows x and x + ld (n values each, pivots their first
+/// values) in one loop, into out[0] and out[1].
+template <typename T>
+void row_pair_moments(const T* x, Index ld, Index n, Welford<double>* out) {
+  const RowValues<T> src[2] = {{x}, {x + ld}};
+  const T pivot[2] = {x[0], x[ld]};
+  switch (moments_accumulators<T>(n)) {
+    case 8: rows_moments_acc<T, (simd<T>::A >= 8 ? 8 : 1), 2>(src, n, pivot, out); return;
+    case 4: rows_moments_acc<T, (simd<T>::A >= 4 ? 4 : 1), 2>(src, n, pivot, out); return;
+    case 2: rows_moments_acc<T, 2, 2>(src, n, pivot, out); return;
+    default: rows_moments_acc<T, 1, 2>(src, n, pivot, out); return;
+  }
+}
+
 /// Moments of `count` <= G short rows (0 < n < kShortMomentsValues), row r
 /// at x + r * ld, as rows_moments computes them but split into their means
 /// (shifted by the row's first value) and M2s: mu[r], q[r] for r < G, the
@@ -1099,7 +1257,11 @@ void rows_moments(const T* x, Index n, Index ld, Index count, Welford<double>* o
     return;
   }
   if (n >= detail::kShortMomentsValues<T>) {
-    for (Index r = 0; r < count; ++r) out[r] = row_moments(x + r * ld, n, x[r * ld]);
+    Index r = 0;
+    if constexpr (detail::kPairRows<T>) {
+      for (; r + 1 < count; r += 2) detail::row_pair_moments(x + r * ld, ld, n, out + r);
+    }
+    for (; r < count; ++r) out[r] = row_moments(x + r * ld, n, x[r * ld]);
     return;
   }
   constexpr int R = detail::simd<double>::L;
