@@ -259,31 +259,42 @@ Welford<double> merge_equal(const T* mean, const T* m2, double k) {
   }
 }
 
-/// merge_equal of the A packets of states `mean` and `m2` (packet a: states
-/// a * L .. a * L + L - 1), widened in registers (kRegisterMerge): the same
-/// values in the same order, so the same bits as merge_equal<T, A * L> on
-/// the packets stored; without the stores and reloads, which the
-/// conversions waited for (on a Zen 5 guest, AVX-512 float: 0.90x the time
-/// of the moments of rows of 768).
+/// merge_equal<T, A * L> of the A packets of states `mean` and `m2`
+/// (packet a: states a * L .. a * L + L - 1). Where kRegisterMerge allows
+/// and the states fill whole pairs of double packets, they are widened in
+/// registers: the same values in the same order, so the same bits, without
+/// the stores and reloads, which the conversions waited for (on a Zen 5
+/// guest, AVX-512 float: 0.90x the time of the moments of rows of 768).
 template <typename T, int A>
 EIGEN_ALWAYS_INLINE Welford<double> merge_equal_packets(const typename simd<T>::Packet* mean,
                                                         const typename simd<T>::Packet* m2, double k) {
   using PD = typename simd<double>::Packet;
   constexpr int L = simd<T>::L;
-  constexpr int H = L / simd<double>::L;  // double packets per packet
-  static_assert(H == 1 || H == 2, "packets of float or double");
-  PD m[A * H];
-  PD q[A * H];
-  NORMCORE_UNROLL
-  for (int a = 0; a < A; ++a) {
-    m[a * H] = half_as_double<0, T>(mean[a]);
-    q[a * H] = half_as_double<0, T>(m2[a]);
-    if constexpr (H == 2) {
-      m[a * H + 1] = half_as_double<1, T>(mean[a]);
-      q[a * H + 1] = half_as_double<1, T>(m2[a]);
+  if constexpr (kRegisterMerge<T> && (A * L) % (2 * simd<double>::L) == 0) {
+    constexpr int H = L / simd<double>::L;  // double packets per packet
+    static_assert(H == 1 || H == 2, "packets of float or double");
+    PD m[A * H];
+    PD q[A * H];
+    NORMCORE_UNROLL
+    for (int a = 0; a < A; ++a) {
+      m[a * H] = half_as_double<0, T>(mean[a]);
+      q[a * H] = half_as_double<0, T>(m2[a]);
+      if constexpr (H == 2) {
+        m[a * H + 1] = half_as_double<1, T>(mean[a]);
+        q[a * H + 1] = half_as_double<1, T>(m2[a]);
+      }
     }
+    return merge_equal_doubles<A * L>(m, q, k);
+  } else {
+    alignas(64) T ms[A * L];
+    alignas(64) T qs[A * L];
+    NORMCORE_UNROLL
+    for (int a = 0; a < A; ++a) {
+      Eigen::internal::pstoreu(ms + a * L, mean[a]);
+      Eigen::internal::pstoreu(qs + a * L, m2[a]);
+    }
+    return merge_equal<T, A * L>(ms, qs, k);
   }
-  return merge_equal_doubles<A * L>(m, q, k);
 }
 
 }  // namespace detail
@@ -345,39 +356,26 @@ void rows_moments_acc(const Src* sources, Index n, const T* pivots, Welford<doub
   // than A) take one more update, one per accumulator (see `last` below).
   do {
     const Index iters = std::min<Index>((packets - p) / A, detail::kChunk);
-    // The loop keeps its states in mu and q, which only the unrolled `a`
-    // and `r` index, so they stay in registers even when the source stores
-    // (the fused residual add); mean and m2, which the leftover loop below
-    // indexes at run time, live in memory.
+    // The states are indexed only by the unrolled `a` and `r` (the leftover
+    // loop below too), so they stay in registers from the loop to the merge,
+    // even when the source stores (the fused residual add).
     Packet mean[R][A];
     Packet m2[R][A];
-    {
-      Packet mu[R][A];
-      Packet q[R][A];
+    NORMCORE_UNROLL
+    for (int r = 0; r < R; ++r) {
       NORMCORE_UNROLL
-      for (int r = 0; r < R; ++r) {
-        NORMCORE_UNROLL
-        for (int a = 0; a < A; ++a) mu[r][a] = q[r][a] = pset1<Packet>(T(0));
-      }
-      for (Index it = 1; it <= iters; ++it, p += A) {
-        const Packet inv = pset1<Packet>(recip[static_cast<std::size_t>(it)]);
-        NORMCORE_UNROLL
-        for (int a = 0; a < A; ++a) {
-          NORMCORE_UNROLL
-          for (int r = 0; r < R; ++r) {
-            const Packet d = psub(src[r].template packet<Packet>((p + a) * L), pv[r]);
-            const Packet delta = psub(d, mu[r][a]);
-            mu[r][a] = pmadd(delta, inv, mu[r][a]);
-            q[r][a] = pmadd(delta, psub(d, mu[r][a]), q[r][a]);
-          }
-        }
-      }
+      for (int a = 0; a < A; ++a) mean[r][a] = m2[r][a] = pset1<Packet>(T(0));
+    }
+    for (Index it = 1; it <= iters; ++it, p += A) {
+      const Packet inv = pset1<Packet>(recip[static_cast<std::size_t>(it)]);
       NORMCORE_UNROLL
-      for (int r = 0; r < R; ++r) {
+      for (int a = 0; a < A; ++a) {
         NORMCORE_UNROLL
-        for (int a = 0; a < A; ++a) {
-          mean[r][a] = mu[r][a];
-          m2[r][a] = q[r][a];
+        for (int r = 0; r < R; ++r) {
+          const Packet d = psub(src[r].template packet<Packet>((p + a) * L), pv[r]);
+          const Packet delta = psub(d, mean[r][a]);
+          mean[r][a] = pmadd(delta, inv, mean[r][a]);
+          m2[r][a] = pmadd(delta, psub(d, mean[r][a]), m2[r][a]);
         }
       }
     }
@@ -390,42 +388,33 @@ void rows_moments_acc(const Src* sources, Index n, const T* pivots, Welford<doub
     const bool last = p == packets || (packets - p < A && iters < detail::kChunk);
     if (last && p < packets) {
       const Packet inv = pset1<Packet>(recip[static_cast<std::size_t>(iters + 1)]);
-      for (int a = 0; p < packets; ++a, ++p) {
+      const Index left = packets - p;  // fewer than A
+      NORMCORE_UNROLL
+      for (int a = 0; a < A; ++a) {
+        if (a >= left) break;
         NORMCORE_UNROLL
         for (int r = 0; r < R; ++r) {
-          const Packet d = psub(src[r].template packet<Packet>(p * L), pv[r]);
+          const Packet d = psub(src[r].template packet<Packet>((p + a) * L), pv[r]);
           const Packet delta = psub(d, mean[r][a]);
           mean[r][a] = pmadd(delta, inv, mean[r][a]);
           m2[r][a] = pmadd(delta, psub(d, mean[r][a]), m2[r][a]);
         }
         count[a] += T(1);
       }
+      p = packets;
     }
     // Merge every lane of every accumulator in double, in a fixed tree order.
     // When the leftover packets made the counts unequal, each accumulator's
     // lanes are merged on their own and the accumulators then in order.
     NORMCORE_UNROLL
     for (int r = 0; r < R; ++r) {
-      if constexpr (detail::kRegisterMerge<T> && (A * L) % (2 * detail::simd<double>::L) == 0) {
-        if (count[0] == count[A - 1]) {
-          if (count[0] > T(0)) total[r].merge(detail::merge_equal_packets<T, A>(mean[r], m2[r], static_cast<double>(count[0])));
-          continue;
-        }
-      }
-      alignas(64) T ms[A * L];
-      alignas(64) T qs[A * L];
-      NORMCORE_UNROLL
-      for (int a = 0; a < A; ++a) {
-        pstoreu(ms + a * L, mean[r][a]);
-        pstoreu(qs + a * L, m2[r][a]);
-      }
       if (count[0] == count[A - 1]) {
-        if (count[0] > T(0)) total[r].merge(detail::merge_equal<T, A * L>(ms, qs, static_cast<double>(count[0])));
+        if (count[0] > T(0)) total[r].merge(detail::merge_equal_packets<T, A>(mean[r], m2[r], static_cast<double>(count[0])));
       } else {
         NORMCORE_UNROLL
         for (int a = 0; a < A; ++a)
           if (count[a] > T(0))
-            total[r].merge(detail::merge_equal<T, L>(ms + a * L, qs + a * L, static_cast<double>(count[a])));
+            total[r].merge(detail::merge_equal_packets<T, 1>(&mean[r][a], &m2[r][a], static_cast<double>(count[a])));
       }
     }
     if (last) break;
