@@ -1,6 +1,9 @@
 // The statistics core: scalar Welford/Chan against two-pass double, and the
 // SIMD row and lane moments against the same.
+#include <cmath>
+#include <cstring>
 #include <fstream>
+#include <random>
 #include <string>
 #include <thread>
 
@@ -123,6 +126,24 @@ TYPED_TEST(MomentsTest, RowsMomentsMatchTwoPassAndIgnoreNeighbours) {
 // output are heap buffers of exactly count values (and one guard value
 // after the output), so that the sanitizer builds catch a read or a write
 // past them.
+// detail::sum_lanes: the same bits as Eigen's predux on the build's double
+// packets, on lanes of mixed magnitudes and signs, where the order of the
+// additions shows in the result.
+TEST(SumLanes, SameBitsAsEigenPredux) {
+  using PD = normcore::detail::simd<double>::Packet;
+  constexpr int LD = normcore::detail::simd<double>::L;
+  std::mt19937 gen(11);
+  std::uniform_real_distribution<double> mant(-1.0, 1.0);
+  std::uniform_int_distribution<int> expo(-30, 30);
+  for (int t = 0; t < 2000; ++t) {
+    alignas(64) double v[LD];
+    for (int i = 0; i < LD; ++i) v[i] = std::ldexp(mant(gen), expo(gen));
+    const PD p = Eigen::internal::pload<PD>(v);
+    const double a = normcore::detail::sum_lanes(p), b = Eigen::internal::predux(p);
+    ASSERT_EQ(std::memcmp(&a, &b, sizeof(double)), 0) << "trial " << t << ": " << a << " vs " << b;
+  }
+}
+
 TEST(InvSqrtEps, CorrectlyRoundedAsTheScalarExpression) {
   std::mt19937_64 gen(11);
   std::uniform_real_distribution<double> expo(-1000.0, 1000.0);
