@@ -340,6 +340,16 @@ struct RowValues {
   EIGEN_ALWAYS_INLINE T value(Index j) const { return x[j]; }
 };
 
+/// One Welford update of a packet of lane states (mean, m2) with the values
+/// d (shifted by the pivot); inv is 1 / (the lanes' count after it).
+template <typename Packet>
+EIGEN_ALWAYS_INLINE void welford_step(const Packet& d, const Packet& inv, Packet& mean, Packet& m2) {
+  using namespace Eigen::internal;
+  const Packet delta = psub(d, mean);
+  mean = pmadd(delta, inv, mean);
+  m2 = pmadd(delta, psub(d, mean), m2);
+}
+
 /// The moments of R rows (sources[0..R), pivots[0..R)) side by side, into
 /// total[0..R): each row's operations, and so its bits, are those of the
 /// row alone (R = 1); only their order in the program differs. Two rows in
@@ -386,12 +396,8 @@ void rows_moments_acc(const Src* sources, Index n, const T* pivots, Welford<doub
       NORMCORE_UNROLL
       for (int a = 0; a < A; ++a) {
         NORMCORE_UNROLL
-        for (int r = 0; r < R; ++r) {
-          const Packet d = psub(src[r].template packet<Packet>((p + a) * L), pv[r]);
-          const Packet delta = psub(d, mean[r][a]);
-          mean[r][a] = pmadd(delta, inv, mean[r][a]);
-          m2[r][a] = pmadd(delta, psub(d, mean[r][a]), m2[r][a]);
-        }
+        for (int r = 0; r < R; ++r)
+          welford_step(psub(src[r].template packet<Packet>((p + a) * L), pv[r]), inv, mean[r][a], m2[r][a]);
       }
     }
     T count[A];
@@ -408,12 +414,8 @@ void rows_moments_acc(const Src* sources, Index n, const T* pivots, Welford<doub
       for (int a = 0; a < A; ++a) {
         if (a >= left) break;
         NORMCORE_UNROLL
-        for (int r = 0; r < R; ++r) {
-          const Packet d = psub(src[r].template packet<Packet>((p + a) * L), pv[r]);
-          const Packet delta = psub(d, mean[r][a]);
-          mean[r][a] = pmadd(delta, inv, mean[r][a]);
-          m2[r][a] = pmadd(delta, psub(d, mean[r][a]), m2[r][a]);
-        }
+        for (int r = 0; r < R; ++r)
+          welford_step(psub(src[r].template packet<Packet>((p + a) * L), pv[r]), inv, mean[r][a], m2[r][a]);
         count[a] += T(1);
       }
       p = packets;
