@@ -156,22 +156,25 @@ EIGEN_ALWAYS_INLINE typename simd<double>::Packet load_as_double(const T* p) {
 /// kRegisterMerge says.
 template <int H, typename T>
 EIGEN_ALWAYS_INLINE typename simd<double>::Packet half_as_double(const typename simd<T>::Packet& p) {
+  static_assert(H == 0 || (H == 1 && !std::is_same<T, double>::value), "two halves of float, one of double");
   if constexpr (std::is_same<T, double>::value) {
-    static_assert(H == 0, "a packet of doubles is one double packet");
     return p;
   } else {
 #if defined(EIGEN_VECTORIZE_AVX512)
-    if constexpr (H == 0) return _mm512_cvtps_pd(_mm512_castps512_ps256(p));
-    if constexpr (H == 1) return _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(p), 1)));
+    return _mm512_cvtps_pd(H == 0 ? _mm512_castps512_ps256(p)
+                                  : _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(p), 1)));
 #elif defined(EIGEN_VECTORIZE_AVX)
-    if constexpr (H == 0) return _mm256_cvtps_pd(_mm256_castps256_ps128(p));
-    if constexpr (H == 1) return _mm256_cvtps_pd(_mm256_extractf128_ps(p, 1));
+    return _mm256_cvtps_pd(H == 0 ? _mm256_castps256_ps128(p) : _mm256_extractf128_ps(p, 1));
 #elif defined(EIGEN_VECTORIZE_SSE2)
-    if constexpr (H == 0) return _mm_cvtps_pd(p);
-    if constexpr (H == 1) return _mm_cvtps_pd(_mm_movehl_ps(p, p));
+    return _mm_cvtps_pd(H == 0 ? p : _mm_movehl_ps(p, p));
 #elif defined(EIGEN_VECTORIZE_NEON) && defined(__aarch64__)
-    if constexpr (H == 0) return vcvt_f64_f32(vget_low_f32(p));
-    if constexpr (H == 1) return vcvt_high_f64_f32(p);
+    return H == 0 ? vcvt_f64_f32(vget_low_f32(p)) : vcvt_high_f64_f32(p);
+#else
+    // Builds where kRegisterMerge is false for floats do not call this;
+    // through memory, for completeness.
+    alignas(64) T v[simd<T>::L];
+    Eigen::internal::pstoreu(v, p);
+    return load_as_double(v + H * simd<double>::L);
 #endif
   }
 }
