@@ -353,6 +353,17 @@ EIGEN_ALWAYS_INLINE void welford_step(const Packet& d, const Packet& inv, Packet
   m2 = pmadd(delta, psub(d, mean), m2);
 }
 
+/// welford_step for the lanes in `mask` only: the others' delta is 0, so
+/// their states are unchanged (a row's tail, short_rows_moments).
+template <typename Packet>
+EIGEN_ALWAYS_INLINE void welford_step(const Packet& d, const Packet& inv, Packet& mean, Packet& m2,
+                                      const Packet& mask) {
+  using namespace Eigen::internal;
+  const Packet delta = pand(psub(d, mean), mask);
+  mean = pmadd(delta, inv, mean);
+  m2 = pmadd(delta, psub(d, mean), m2);
+}
+
 /// The moments of R rows (sources[0..R), pivots[0..R)) side by side, into
 /// total[0..R): each row's operations, and so its bits, are those of the
 /// row alone (R = 1); only their order in the program differs. Two rows in
@@ -1075,10 +1086,7 @@ EIGEN_ALWAYS_INLINE void short_rows_welford_paired(const S* const* rows, Index n
     NORMCORE_UNROLL
     for (int i = 0; i < P; ++i) {
       const Wide x = join_halves(load_widened<Packet>(rows[2 * i] + p * L), load_widened<Packet>(rows[2 * i + 1] + p * L));
-      const Wide d = psub(x, pivot[i]);
-      const Wide delta = psub(d, wmean[i]);
-      wmean[i] = pmadd(delta, inv, wmean[i]);
-      wm2[i] = pmadd(delta, psub(d, wmean[i]), wm2[i]);
+      welford_step(psub(x, pivot[i]), inv, wmean[i], wm2[i]);
     }
   }
   if (packets > 0 && rest > 0) {
@@ -1088,10 +1096,7 @@ EIGEN_ALWAYS_INLINE void short_rows_welford_paired(const S* const* rows, Index n
     NORMCORE_UNROLL
     for (int i = 0; i < P; ++i) {
       const Wide x = join_halves(load_widened<Packet>(rows[2 * i] + n - L), load_widened<Packet>(rows[2 * i + 1] + n - L));
-      const Wide d = psub(x, pivot[i]);
-      const Wide delta = pand(psub(d, wmean[i]), mask);
-      wmean[i] = pmadd(delta, inv, wmean[i]);
-      wm2[i] = pmadd(delta, psub(d, wmean[i]), wm2[i]);
+      welford_step(psub(x, pivot[i]), inv, wmean[i], wm2[i], mask);
     }
   }
   NORMCORE_UNROLL
@@ -1153,9 +1158,7 @@ NORMCORE_FLATTEN void short_rows_moments(const S* const* rows, Index n, double* 
       NORMCORE_UNROLL
       for (int r = 0; r < A; ++r) {
         const Packet d = psub(load_widened<Packet>(rows[r] + p * L), pset1<Packet>(static_cast<T>(rows[r][0])));
-        const Packet delta = psub(d, mean[r]);
-        mean[r] = pmadd(delta, inv, mean[r]);
-        m2[r] = pmadd(delta, psub(d, mean[r]), m2[r]);
+        welford_step(d, inv, mean[r], m2[r]);
       }
     }
     // 1b. The tail (0 < rest < L values), when the row has a full packet: the
@@ -1168,9 +1171,7 @@ NORMCORE_FLATTEN void short_rows_moments(const S* const* rows, Index n, double* 
       NORMCORE_UNROLL
       for (int r = 0; r < A; ++r) {
         const Packet d = psub(load_widened<Packet>(rows[r] + n - L), pset1<Packet>(static_cast<T>(rows[r][0])));
-        const Packet delta = pand(psub(d, mean[r]), mask);
-        mean[r] = pmadd(delta, inv, mean[r]);
-        m2[r] = pmadd(delta, psub(d, mean[r]), m2[r]);
+        welford_step(d, inv, mean[r], m2[r], mask);
       }
     }
   }
@@ -1433,10 +1434,7 @@ void lane_chunk_in_registers(const T* x, Index stride, Index i0, Index first, In
     const Packet pinv = pset1<Packet>(recip[static_cast<std::size_t>(it)]);
     NORMCORE_UNROLL
     for (int k = 0; k < NP; ++k) {
-      const Packet d = psub(ploadu<Packet>(row + k * L), ploadu<Packet>(pivot + k * L));
-      const Packet delta = psub(d, mu[k]);
-      mu[k] = pmadd(delta, pinv, mu[k]);
-      q[k] = pmadd(delta, psub(d, mu[k]), q[k]);
+      welford_step(psub(ploadu<Packet>(row + k * L), ploadu<Packet>(pivot + k * L)), pinv, mu[k], q[k]);
     }
   }
   NORMCORE_UNROLL
@@ -1528,12 +1526,10 @@ void lane_chunks_in_memory(const T* x, Index stride, Index count, Index lanes, c
       const T inv = recip[static_cast<std::size_t>(it)];
       const Packet pinv = pset1<Packet>(inv);
       for (Index c = 0; c < vec; c += L) {
-        const Packet d = psub(ploadu<Packet>(row + c), ploadu<Packet>(pivot + c));
-        Packet mu = ploadu<Packet>(mean + c);
-        const Packet delta = psub(d, mu);
-        mu = pmadd(delta, pinv, mu);
+        Packet mu = ploadu<Packet>(mean + c), q = ploadu<Packet>(m2 + c);
+        welford_step(psub(ploadu<Packet>(row + c), ploadu<Packet>(pivot + c)), pinv, mu, q);
         pstoreu(mean + c, mu);
-        pstoreu(m2 + c, pmadd(delta, psub(d, mu), ploadu<Packet>(m2 + c)));
+        pstoreu(m2 + c, q);
       }
       lanes_step_scalar(row, pivot, inv, vec, lanes, mean, m2);
     }
