@@ -100,6 +100,11 @@ TYPED_TEST(BatchNormTest, TrainingForwardBackwardAllLayouts) {
   // 256 rows, then 41), with channels short of a packet and with a tail.
   check_nchw<TypeParam>(3, 7, 5, 5, 97, 2.0);
   check_nchw<TypeParam>(3, 21, 11, 9, 96, 1.0);
+  // Maps smaller than a packet (AVX-512: 3x3 and 2x2 floats, 2x2 doubles),
+  // at a large offset, and over more channels than one tile of lanes (2048
+  // floats, 1024 doubles: 512 and 256 channels of 2x2).
+  check_nchw<TypeParam>(8, 19, 3, 3, 95, 1e4);
+  check_nchw<TypeParam>(5, 600, 2, 2, 94, 3.0);
 }
 
 // Inputs of normcore::detail::kStreamingBytes or more write y with streaming

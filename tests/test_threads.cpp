@@ -101,6 +101,7 @@ TEST(Threads, BatchNormBitIdenticalForAnyThreadCount) {
   check_batch_norm<-1>(16, 37, 300);  // channels-last
   check_batch_norm<1>(3, 40, 1500);   // the fused channels-first backward
   check_batch_norm<1>(16, 37, 49);    // short segments: the grouped statistics
+  check_batch_norm<1>(128, 40, 9);    // maps smaller than a packet: lanes of positions
   // Channels last, 12 full chunks of 256 rows and a partial one: on 2 and 3
   // threads the rows are split in whole chunks, merged in windows of 10 and
   // 12 chunks (24 KB of results per chunk at 1024 channels; 256 KB, or four
@@ -126,7 +127,8 @@ TEST(Threads, BatchNormFusedChannelsFirstBitIdenticalForAnyThreadCount) {
 
 // Channels-first segments of a few packets are normalized as one run of
 // packets aligned on y, a packet that straddles two channels selecting each
-// lane's constants. Eval mode (the running statistics: the same constants in
+// lane's constants; segments shorter than a packet, a tile of channels at a
+// time with the constants expanded to one per value. Eval mode (the running statistics: the same constants in
 // any layout): the output must be the channels-last layout's bit for bit,
 // whatever the alignment of x and y, the segment length, or the thread count
 // (parts start at any segment, so at any channel and alignment).
@@ -193,6 +195,14 @@ TEST(Threads, BatchNormShortSegmentsMatchChannelsLastAtAnyAlignment) {
   check_short_segments<float>(64, 37, 49, 3);
   check_short_segments<double>(64, 37, 25, 2);
   check_short_segments<float>(160, 29, 9, 2);  // 41760 values: two parts
+  // Maps smaller than a packet (with AVX-512: 3x3 floats, 2x3 doubles) over
+  // more channels than one tile of expanded constants (2048 floats, 1024
+  // doubles: 227 and 170 channels), alone and in parts that start inside a
+  // sample and inside a tile.
+  check_short_segments<float>(3, 700, 9, 1);
+  check_short_segments<double>(3, 400, 6, 1);
+  check_short_segments<float>(6, 700, 9, 3);   // 37800 values: two parts
+  check_short_segments<double>(9, 700, 6, 2);  // 37800 values: two parts
 }
 
 /// How many times each part ran.
