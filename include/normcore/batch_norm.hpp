@@ -1009,6 +1009,55 @@ class BatchNorm {
     }
   }
 
+  // dx of channels-first segments [s0, s1) of 1 < inner < L values, as
+  // normalize_small_maps: a tile of channels at a time, its six constants
+  // expanded to one per value (kSmallMapTile / 2 values a tile: 24 KB of
+  // floats), then each sample's run of the tile in packets, the arithmetic
+  // of dx_values on every value, so the same bits.
+  static void dx_small_maps(const DxArgs& q, Index inner, Index C, Index s0, Index s1) {
+    using namespace Eigen::internal;
+    using Packet = typename detail::simd<T>::Packet;
+    constexpr int L = detail::simd<T>::L;
+    const Index ct = std::max<Index>(1, kSmallMapTile / 2 / inner), tile = ct * inner;
+    detail::Scratch<T> buf(static_cast<std::size_t>(6 * tile), false);
+    T* const e = buf.data();  // piv, rs, xs, k3, k4, a: tile values each
+    const T* const per_channel[6] = {q.piv, q.rs, q.xs, q.k3, q.k4, q.a};
+    for (Index c0 = 0; c0 < C; c0 += ct) {
+      const Index c1 = std::min(C, c0 + ct);
+      bool expanded = false;
+      for (Index o = s0 / C; o * C < s1; ++o) {  // the samples [s0, s1) reaches
+        const Index a0 = std::max(s0, o * C + c0), a1 = std::min(s1, o * C + c1);
+        if (a0 >= a1) continue;
+        if (!expanded) {
+          for (int k = 0; k < 6; ++k)
+            for (Index c = c0; c < c1; ++c) std::fill_n(e + k * tile + (c - c0) * inner, inner, per_channel[k][c]);
+          expanded = true;
+        }
+        const Index off = (a0 - o * C - c0) * inner, len = (a1 - a0) * inner;
+        const T* const xp = q.x + a0 * inner;
+        const T* const gp = q.dy + a0 * inner;
+        T* const out = q.dx + a0 * inner;
+        const T* const pv = e + off;
+        const T* const rs = pv + tile;
+        const T* const xs = rs + tile;
+        const T* const k3 = xs + tile;
+        const T* const k4 = k3 + tile;
+        const T* const ga = k4 + tile;
+        Index i = 0;
+        for (; i + L <= len; i += L) {
+          const Packet xh = pmadd(psub(ploadu<Packet>(xp + i), ploadu<Packet>(pv + i)), ploadu<Packet>(rs + i),
+                                  ploadu<Packet>(xs + i));
+          pstoreu(out + i, pmadd(ploadu<Packet>(gp + i), ploadu<Packet>(ga + i),
+                                 pnegate(pmadd(xh, ploadu<Packet>(k3 + i), ploadu<Packet>(k4 + i)))));
+        }
+        for (; i < len; ++i) {
+          const T xh = detail::madd(xp[i] - pv[i], rs[i], xs[i]);
+          out[i] = detail::madd(gp[i], ga[i], -detail::madd(xh, k3[i], k4[i]));
+        }
+      }
+    }
+  }
+
   // One segment (o, c) of a channels-first tensor: adds its sums (as in
   // channel_sums) to the channel's.
   static void segment_sums(const T* xs, const T* gs, Index inner, T mean, double& sg, double& sgd, double& sd) {
@@ -1042,10 +1091,45 @@ class BatchNorm {
   // segment, in order of o (memory order).
   static void range_sums(const T* x, const T* dy, const View& v, const T* mean, Index c0, Index c1, double* sg,
                          double* sgd, double* sd) {
+    if (v.inner > 1 && v.inner < detail::simd<T>::L) {
+      small_map_sums(x, dy, v, mean, c0, c1, sg, sgd, sd);
+      return;
+    }
     for (Index o = 0; o < v.outer; ++o) {
       for (Index c = c0; c < c1; ++c) {
         const Index base = (o * v.C + c) * v.inner;
         segment_sums(x + base, dy + base, v.inner, mean[c], sg[c], sgd[c], sd[c]);
+      }
+    }
+  }
+
+  // range_sums for maps smaller than a packet (1 < inner < L), as
+  // small_map_moments: each position (c, i) of a tile of channels is a
+  // lane, and chunk_sums (the channels-last kernel) steps the tile's lanes
+  // down the batch (stride C * inner) with each lane's channel mean, in T
+  // over chunks of kChunk samples; a channel adds its lanes' chunk sums in
+  // double, in order of i, chunk after chunk. A lane's arithmetic does not
+  // depend on its place in the tile, so neither does a channel's on how
+  // the channels are split.
+  static void small_map_sums(const T* x, const T* dy, const View& v, const T* mean, Index c0, Index c1,
+                             double* sg, double* sgd, double* sd) {
+    const Index inner = v.inner, stride = v.C * inner;
+    const Index ct = std::max<Index>(1, kSmallMapTile / inner);
+    const bool cached = sum_rows_cached(v.outer * inner, v.C);
+    std::vector<T> m(static_cast<std::size_t>(ct * inner)), a(static_cast<std::size_t>(3 * ct * inner));
+    for (Index t0 = c0; t0 < c1; t0 += ct) {
+      const Index t1 = std::min(c1, t0 + ct), w = (t1 - t0) * inner;
+      for (Index c = t0; c < t1; ++c) std::fill_n(m.begin() + (c - t0) * inner, inner, mean[c]);
+      for (Index o0 = 0; o0 < v.outer; o0 += detail::kChunk) {
+        std::fill(a.begin(), a.end(), T(0));
+        chunk_sums(x + t0 * inner, dy + t0 * inner, stride, m.data(), 0, w, o0,
+                   std::min<Index>(v.outer, o0 + detail::kChunk), a.data(), cached);
+        for (Index c = t0; c < t1; ++c)
+          for (Index j = (c - t0) * inner; j < (c - t0 + 1) * inner; ++j) {
+            sg[c] += static_cast<double>(a[static_cast<std::size_t>(j)]);
+            sgd[c] += static_cast<double>(a[static_cast<std::size_t>(w + j)]);
+            sd[c] += static_cast<double>(a[static_cast<std::size_t>(2 * w + j)]);
+          }
       }
     }
   }
@@ -1369,6 +1453,10 @@ class BatchNorm {
             }
           }
         });
+        return;
+      }
+      if (v.inner < detail::simd<T>::L) {  // (never streams: segments shorter than a packet)
+        dx_small_maps(dx_args, v.inner, C, s0, s1);
         return;
       }
       streaming([&](auto stream_dx) {
