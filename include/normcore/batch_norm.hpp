@@ -861,30 +861,57 @@ class BatchNorm {
         }
   }
 
-  // Values per tile of normalize_small_maps' expanded constants (each of
-  // its three arrays: 8 KB).
+  // Values (lanes) per tile of channels on maps smaller than a packet:
+  // normalize_small_maps' expanded constants (three arrays of 8 KB),
+  // dx_small_maps' (half as many values: six arrays of 4 KB), and the lanes
+  // of small_map_moments and small_map_sums.
   static constexpr Index kSmallMapTile = 8192 / static_cast<Index>(sizeof(T));
 
   // Channels-first segments [s0, s1) of 1 < inner < L values (AVX-512
   // floats: maps of 2x2 to 3x5; AVX2 floats and AVX-512 doubles: 2x2, 1x7):
   // no segment holds a packet, and a packet spans up to L / inner + 1
   // channels. The channels go in tiles of ct = kSmallMapTile / inner, whose
-  // constants are expanded to one per value (pe, se and be); then each
+  // constants are expanded to one per value (small_map_tiles); then each
   // sample's run of the tile's ct * inner values is one loop of packets,
   // y = fma(x - pe, se, be), the arithmetic of the segment loop on every value,
-  // so the same bits. A value at a time, the segment loop took 0.9-1.5 ns
-  // a value at 64x512x3x3 and 64x512x2x2 on a Zen 5 guest (AVX-512 float),
-  // 8-13x its time on 7x7 maps.
+  // so the same bits. A value at a time, the segment loop took 0.6-1.5 ns
+  // a value at 64x512x3x3 and 64x512x2x2 on a Zen 5 guest (AVX-512 float,
+  // eval), 6-13x its time on 7x7 maps; now 0.10-0.15 ns.
   static void normalize_small_maps(const T* x, T* y, Index inner, Index C, Index s0, Index s1, const T* piv,
                                    const T* sc, const T* bs) {
     using namespace Eigen::internal;
     using Packet = typename detail::simd<T>::Packet;
     constexpr int L = detail::simd<T>::L;
-    const Index ct = std::max<Index>(1, kSmallMapTile / inner);
-    detail::Scratch<T> buf(static_cast<std::size_t>(3 * ct * inner), false);
-    T* const pe = buf.data();
-    T* const se = pe + ct * inner;
-    T* const be = se + ct * inner;
+    const T* const constants[3] = {piv, sc, bs};
+    small_map_tiles(inner, C, s0, s1, kSmallMapTile / inner, constants,
+                    [&](Index first, Index len, const T* pe, Index tile) {
+                      const T* const se = pe + tile;
+                      const T* const be = se + tile;
+                      const T* const xs = x + first;
+                      T* const ys = y + first;
+                      Index i = 0;
+                      for (; i + L <= len; i += L)
+                        pstoreu(ys + i, pmadd(psub(ploadu<Packet>(xs + i), ploadu<Packet>(pe + i)),
+                                              ploadu<Packet>(se + i), ploadu<Packet>(be + i)));
+                      for (; i < len; ++i) ys[i] = detail::madd(xs[i] - pe[i], se[i], be[i]);
+                    });
+  }
+
+  // The runs of channels-first segments [s0, s1) of 1 < inner < L values,
+  // a tile of channels at a time, for normalize_small_maps and
+  // dx_small_maps: tiles of ct channels (at least one), whose K per-channel
+  // constants (k[0..K), indexed by channel) are expanded to one per value,
+  // K arrays of ct * inner values; then run(first, length, e, tile) for
+  // each sample's run of the tile within [s0, s1): the run's values start
+  // at index `first` of the tensor, constant j of its first value at
+  // e + j * tile.
+  template <int K, typename Run>
+  static void small_map_tiles(Index inner, Index C, Index s0, Index s1, Index ct, const T* const (&k)[K],
+                              Run&& run) {
+    ct = std::max<Index>(1, ct);
+    const Index tile = ct * inner;
+    detail::Scratch<T> buf(static_cast<std::size_t>(K * tile), false);
+    T* const e = buf.data();
     for (Index c0 = 0; c0 < C; c0 += ct) {
       const Index c1 = std::min(C, c0 + ct);
       bool expanded = false;
@@ -892,22 +919,11 @@ class BatchNorm {
         const Index a = std::max(s0, o * C + c0), b = std::min(s1, o * C + c1);
         if (a >= b) continue;
         if (!expanded) {
-          for (Index c = c0; c < c1; ++c)
-            for (Index j = (c - c0) * inner; j < (c - c0 + 1) * inner; ++j) {
-              pe[j] = piv[c];
-              se[j] = sc[c];
-              be[j] = bs[c];
-            }
+          for (int j = 0; j < K; ++j)
+            for (Index c = c0; c < c1; ++c) std::fill_n(e + j * tile + (c - c0) * inner, inner, k[j][c]);
           expanded = true;
         }
-        const Index off = (a - o * C - c0) * inner, len = (b - a) * inner;
-        const T* const xs = x + a * inner;
-        T* const ys = y + a * inner;
-        Index i = 0;
-        for (; i + L <= len; i += L)
-          pstoreu(ys + i, pmadd(psub(ploadu<Packet>(xs + i), ploadu<Packet>(pe + off + i)),
-                                ploadu<Packet>(se + off + i), ploadu<Packet>(be + off + i)));
-        for (; i < len; ++i) ys[i] = detail::madd(xs[i] - pe[off + i], se[off + i], be[off + i]);
+        run(a * inner, (b - a) * inner, static_cast<const T*>(e + (a - o * C - c0) * inner), tile);
       }
     }
   }
@@ -1018,44 +1034,29 @@ class BatchNorm {
     using namespace Eigen::internal;
     using Packet = typename detail::simd<T>::Packet;
     constexpr int L = detail::simd<T>::L;
-    const Index ct = std::max<Index>(1, kSmallMapTile / 2 / inner), tile = ct * inner;
-    detail::Scratch<T> buf(static_cast<std::size_t>(6 * tile), false);
-    T* const e = buf.data();  // piv, rs, xs, k3, k4, a: tile values each
-    const T* const per_channel[6] = {q.piv, q.rs, q.xs, q.k3, q.k4, q.a};
-    for (Index c0 = 0; c0 < C; c0 += ct) {
-      const Index c1 = std::min(C, c0 + ct);
-      bool expanded = false;
-      for (Index o = s0 / C; o * C < s1; ++o) {  // the samples [s0, s1) reaches
-        const Index a0 = std::max(s0, o * C + c0), a1 = std::min(s1, o * C + c1);
-        if (a0 >= a1) continue;
-        if (!expanded) {
-          for (int k = 0; k < 6; ++k)
-            for (Index c = c0; c < c1; ++c) std::fill_n(e + k * tile + (c - c0) * inner, inner, per_channel[k][c]);
-          expanded = true;
-        }
-        const Index off = (a0 - o * C - c0) * inner, len = (a1 - a0) * inner;
-        const T* const xp = q.x + a0 * inner;
-        const T* const gp = q.dy + a0 * inner;
-        T* const out = q.dx + a0 * inner;
-        const T* const pv = e + off;
-        const T* const rs = pv + tile;
-        const T* const xs = rs + tile;
-        const T* const k3 = xs + tile;
-        const T* const k4 = k3 + tile;
-        const T* const ga = k4 + tile;
-        Index i = 0;
-        for (; i + L <= len; i += L) {
-          const Packet xh = pmadd(psub(ploadu<Packet>(xp + i), ploadu<Packet>(pv + i)), ploadu<Packet>(rs + i),
-                                  ploadu<Packet>(xs + i));
-          pstoreu(out + i, pmadd(ploadu<Packet>(gp + i), ploadu<Packet>(ga + i),
-                                 pnegate(pmadd(xh, ploadu<Packet>(k3 + i), ploadu<Packet>(k4 + i)))));
-        }
-        for (; i < len; ++i) {
-          const T xh = detail::madd(xp[i] - pv[i], rs[i], xs[i]);
-          out[i] = detail::madd(gp[i], ga[i], -detail::madd(xh, k3[i], k4[i]));
-        }
-      }
-    }
+    const T* const constants[6] = {q.piv, q.rs, q.xs, q.k3, q.k4, q.a};
+    small_map_tiles(inner, C, s0, s1, kSmallMapTile / 2 / inner, constants,
+                    [&](Index first, Index len, const T* pv, Index tile) {
+                      const T* const rs = pv + tile;
+                      const T* const xs = rs + tile;
+                      const T* const k3 = xs + tile;
+                      const T* const k4 = k3 + tile;
+                      const T* const ga = k4 + tile;
+                      const T* const xp = q.x + first;
+                      const T* const gp = q.dy + first;
+                      T* const out = q.dx + first;
+                      Index i = 0;
+                      for (; i + L <= len; i += L) {
+                        const Packet xh = pmadd(psub(ploadu<Packet>(xp + i), ploadu<Packet>(pv + i)),
+                                                ploadu<Packet>(rs + i), ploadu<Packet>(xs + i));
+                        pstoreu(out + i, pmadd(ploadu<Packet>(gp + i), ploadu<Packet>(ga + i),
+                                               pnegate(pmadd(xh, ploadu<Packet>(k3 + i), ploadu<Packet>(k4 + i)))));
+                      }
+                      for (; i < len; ++i) {
+                        const T xh = detail::madd(xp[i] - pv[i], rs[i], xs[i]);
+                        out[i] = detail::madd(gp[i], ga[i], -detail::madd(xh, k3[i], k4[i]));
+                      }
+                    });
   }
 
   // One segment (o, c) of a channels-first tensor: adds its sums (as in

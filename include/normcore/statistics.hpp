@@ -1026,7 +1026,7 @@ EIGEN_ALWAYS_INLINE void sum_lanes_by_halving(PD* a) {
 
 /// Two of narrow_simd<T>'s packets side by side in one of simd<T>'s, where
 /// that is twice as wide (AVX-512): join_halves(lo, hi) and its inverse,
-/// low_half and high_half. Moving lanes rounds nothing.
+/// split_halves. Moving lanes rounds nothing.
 #if defined(EIGEN_VECTORIZE_AVX512)
 constexpr bool kJoinHalves = true;
 EIGEN_ALWAYS_INLINE Eigen::internal::Packet16f join_halves(const Eigen::internal::Packet8f& lo,
@@ -1078,14 +1078,16 @@ EIGEN_ALWAYS_INLINE void short_rows_welford_paired(const S* const* rows, Index n
   Wide wm2[P];
   NORMCORE_UNROLL
   for (int i = 0; i < P; ++i) {
-    pivot[i] = join_halves(pset1<Packet>(static_cast<T>(rows[2 * i][0])), pset1<Packet>(static_cast<T>(rows[2 * i + 1][0])));
+    pivot[i] = join_halves(pset1<Packet>(static_cast<T>(rows[2 * i][0])),
+                           pset1<Packet>(static_cast<T>(rows[2 * i + 1][0])));
     wmean[i] = wm2[i] = pset1<Wide>(T(0));
   }
   for (Index p = 0; p < packets; ++p) {
     const Wide inv = pset1<Wide>(recip[static_cast<std::size_t>(p + 1)]);
     NORMCORE_UNROLL
     for (int i = 0; i < P; ++i) {
-      const Wide x = join_halves(load_widened<Packet>(rows[2 * i] + p * L), load_widened<Packet>(rows[2 * i + 1] + p * L));
+      const Wide x =
+          join_halves(load_widened<Packet>(rows[2 * i] + p * L), load_widened<Packet>(rows[2 * i + 1] + p * L));
       welford_step(psub(x, pivot[i]), inv, wmean[i], wm2[i]);
     }
   }
@@ -1095,7 +1097,8 @@ EIGEN_ALWAYS_INLINE void short_rows_welford_paired(const S* const* rows, Index n
     const Wide mask = join_halves(half_mask, half_mask);
     NORMCORE_UNROLL
     for (int i = 0; i < P; ++i) {
-      const Wide x = join_halves(load_widened<Packet>(rows[2 * i] + n - L), load_widened<Packet>(rows[2 * i + 1] + n - L));
+      const Wide x =
+          join_halves(load_widened<Packet>(rows[2 * i] + n - L), load_widened<Packet>(rows[2 * i + 1] + n - L));
       welford_step(psub(x, pivot[i]), inv, wmean[i], wm2[i], mask);
     }
   }
