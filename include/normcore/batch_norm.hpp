@@ -439,7 +439,7 @@ class BatchNorm {
   static void channels_first_moments(const T* x, const View& v, const T* pivot, Welford<double>* w, Index c0,
                                      Index c1) {
     const Index C = v.C;
-    if (v.inner < detail::simd<T>::L) {
+    if (v.inner > 1 && v.inner < detail::simd<T>::L) {
       small_map_moments(x, v, pivot, w, c0, c1);
       return;
     }
@@ -765,11 +765,11 @@ class BatchNorm {
         normalize_channels_last<false, Stream>(x, y, C, s0, s1, piv, sc, bs);
       return;
     }
-    if (v.inner < L) {  // (streams_y never streams these: segments shorter than a packet)
+    if (v.inner > 1 && v.inner < L) {  // (streams_y never streams these: segments shorter than a packet)
       normalize_small_maps(x, y, v.inner, C, s0, s1, piv, sc, bs);
       return;
     }
-    if (v.inner < detail::kShortRowPackets * L) {
+    if (v.inner >= L && v.inner < detail::kShortRowPackets * L) {
       normalize_short_segments<Stream>(x, y, v.inner, C, s0, s1, piv, sc, bs);
       return;
     }
@@ -1456,7 +1456,7 @@ class BatchNorm {
         });
         return;
       }
-      if (v.inner < detail::simd<T>::L) {  // (never streams: segments shorter than a packet)
+      if (v.inner > 1 && v.inner < detail::simd<T>::L) {  // (never streams: segments shorter than a packet)
         dx_small_maps(dx_args, v.inner, C, s0, s1);
         return;
       }
