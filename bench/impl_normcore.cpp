@@ -188,8 +188,8 @@ class NcRmsNorm : public Runner {
 // with the channel axis last. The (N, C) shape: a rank-2 map, axis 1.
 class NcBatchNorm : public Runner {
  public:
-  NcBatchNorm(const Case& c, const Inputs& in)
-      : c_(c), in_(in), bn_(make_bn(c)), out_(static_cast<std::size_t>(c.elements())) {
+  NcBatchNorm(const Case& c, const Inputs& in, bool serial = false)
+      : c_(c), in_(in), serial_(serial), bn_(make_bn(c)), out_(static_cast<std::size_t>(c.elements())) {
     for (Idx j = 0; j < c.C(); ++j) {
       bn_.weight()(j) = in.gamma[j];
       bn_.bias()(j) = in.beta[j];
@@ -210,18 +210,18 @@ class NcBatchNorm : public Runner {
     switch (c_.op) {
       case Op::BN_train:
         dispatch(in_.x, out_.data(), [&](auto x, auto y) {
-          on_device(false, [&](const auto& d) { bn_.forward(d, x, y, stats_); });
+          on_device(serial_, [&](const auto& d) { bn_.forward(d, x, y, stats_); });
         });
         break;
       case Op::BN_eval:
         dispatch(in_.x, out_.data(), [&](auto x, auto y) {
-          on_device(false, [&](const auto& d) { bn_.forward(d, x, y); });
+          on_device(serial_, [&](const auto& d) { bn_.forward(d, x, y); });
         });
         break;
       default:
         dispatch(in_.x, out_.data(), [&](auto x, auto dx) {
           decltype(x) dy(in_.dy, x.dimensions());
-          on_device(false, [&](const auto& d) { bn_.backward(d, x, dy, &dx, &dw_, &db_, &stats_); });
+          on_device(serial_, [&](const auto& d) { bn_.backward(d, x, dy, &dx, &dw_, &db_, &stats_); });
         });
     }
   }
@@ -256,6 +256,7 @@ class NcBatchNorm : public Runner {
   }
   Case c_;
   Inputs in_;
+  bool serial_;
   normcore::BatchNorm<float> bn_;
   normcore::NormStats<float> stats_;
   Eigen::Tensor<float, 1> dw_, db_;
@@ -701,23 +702,28 @@ void add_normcore_impls(std::vector<Impl>& out) {
                    if (is_rms(c.op) || is_batch_norm(c.op)) return nullptr;
                    return std::make_unique<NcLayerNorm>(c, in);
                  }});
-  // Runs with more than one thread: normcore on the calling thread alone, at
-  // the float row-wise shapes a device call keeps on the calling thread
-  // (1x768 and 8x768), so that "2 threads never slower than 1 on tiny
-  // shapes" is measured inside one process (the Zen 5 guest's run of
-  // session 39 timed LayerNorm's 1x768 forward, the same code on the
-  // calling thread, 1.57x apart in its 1- and 2-thread processes).
+  // Runs with more than one thread: normcore on the calling thread alone, on
+  // every float shape of the row-wise layers and BatchNorm, so that the
+  // N-thread speedup is measured inside one process. Tiny shapes (under
+  // kMinElementsPerThread) run on the calling thread with or without a
+  // device: there it measures "2 threads never slower than 1". Across the
+  // 1- and 2-thread processes instead, the Zen 5 guest's runs timed
+  // LayerNorm's 1x768 forward, the same code, 1.57x apart (session 39), and
+  // put 2 threads at 1.01-1.13x 1 thread at 2048x50, where one process
+  // measured 1.54-1.85x (session 42).
   out.push_back({"normcore_1thread",
                  [](const Case& c) {
-                   return threads() > 1 && c.prec == Prec::F32 && !is_add(c.op) && !is_batch_norm(c.op) &&
-                          (!is_rms(c.op) || NBENCH_HAVE_RMS) &&
-                          c.elements() < normcore::detail::kMinElementsPerThread;
+                   return threads() > 1 && c.prec == Prec::F32 && !is_add(c.op) &&
+                          (!is_rms(c.op) || NBENCH_HAVE_RMS) && (!is_batch_norm(c.op) || NBENCH_HAVE_BN);
                  },
                  [](const Case& c, const Inputs& in) -> RunnerPtr {
 #if NBENCH_HAVE_RMS
                    if (is_rms(c.op)) return std::make_unique<NcRmsNorm>(c, in, true);
 #endif
-                   if (is_rms(c.op)) return nullptr;
+#if NBENCH_HAVE_BN
+                   if (is_batch_norm(c.op)) return std::make_unique<NcBatchNorm>(c, in, true);
+#endif
+                   if (is_rms(c.op) || is_batch_norm(c.op)) return nullptr;
                    return std::make_unique<NcLayerNorm>(c, in, true);
                  }});
   out.push_back({"reference", ref_supports,
