@@ -640,9 +640,9 @@ class BatchNorm {
   }
 
   // 1 / sqrt(var(c) + eps) for channels [0, C), in double packets
-  // (detail::inv_sqrt_eps): the same bits as the scalar expression. A
-  // channel at a time, the scalar sqrt and division took about 5 ns a
-  // channel on a Zen 5 guest, 26 us of an eval forward of 1x4096 values.
+  // (detail::inv_sqrt_eps): the same bits as the scalar expression. On a
+  // Zen 5 guest an eval forward of one sample of 4096 channels took
+  // 24-27 us with a scalar sqrt and division per channel, 19 us with these.
   template <typename Var>
   std::vector<double> channel_rstd(Index C, Var&& var) const {
     std::vector<double> v(static_cast<std::size_t>(C)), r(static_cast<std::size_t>(C));
@@ -661,9 +661,9 @@ class BatchNorm {
     bs[c] = static_cast<T>(std::fma(-static_cast<double>(kc.shift), g, b));
   }
 
-  // channel_constants for channels [0, C) of k: one loop of the same
-  // arithmetic, which compilers vectorize (a channel at a time, each
-  // conversion waited on the one before).
+  // channel_constants for channels [0, C) of k: the same arithmetic in one
+  // loop, with the tests for weight and bias outside it (0.5 ns a channel
+  // less than channel_constants per channel, in that eval forward).
   void channels_constants(const detail::NormCoeffs<T>* k, Index C, T* piv, T* sc, T* bs) const {
     const P* g = weight_.size() ? weight_.data() : nullptr;
     const P* b = bias_.size() ? bias_.data() : nullptr;
