@@ -43,7 +43,8 @@ constexpr Index kInvSqrtGroup = 8;
 /// Eigen's AVX-512 double psqrt is an approximation. Whole packets are read
 /// from v and written to r directly; only a last partial packet goes through
 /// a padded copy, whose padding is d (so d must be finite and nonzero, as the
-/// callers' 1 and row lengths are). (Copying every group through one, its count known only at
+/// callers' 1 and row lengths are). r may be v: each packet is read before
+/// it is written. (Copying every group through one, its count known only at
 /// run time, compiled to `rep movs`, whose start-up cost on Zen 3 made
 /// RMSNorm's forward at 2048x50 take about 1.15x the time.)
 template <bool Div>
