@@ -101,6 +101,10 @@ TEST(Threads, BatchNormBitIdenticalForAnyThreadCount) {
   check_batch_norm<-1>(16, 37, 300);  // channels-last
   check_batch_norm<1>(3, 40, 1500);   // the fused channels-first backward
   check_batch_norm<1>(16, 37, 49);    // short segments: the grouped statistics
+  // Short segments over several parts of channels (116032 values: seven
+  // parts on 2 and 3 threads, 5-6 channels each, so groups of the short-row
+  // kernel cut short at the parts' edges).
+  check_batch_norm<1>(64, 37, 49);
   check_batch_norm<1>(128, 40, 9);    // maps smaller than a packet: lanes of positions
   // Channels last, 12 full chunks of 256 rows and a partial one: on 2 and 3
   // threads the rows are split in whole chunks, merged in windows of 10 and

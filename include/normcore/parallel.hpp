@@ -79,7 +79,7 @@ inline void cpu_relax() {
 /// on a pool thread (a few to tens of microseconds).
 constexpr std::chrono::microseconds kSpinWait{500};
 
-/// Parts per thread for row splits: the threads claim parts as they come
+/// Parts per thread for row (and channel) splits: the threads claim parts as they come
 /// free (run_parts), so a thread that starts late or is descheduled for a
 /// while (a busy VM) leaves less of the work waiting on it.
 constexpr Index kPartsPerThread = 4;
