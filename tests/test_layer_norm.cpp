@@ -376,13 +376,21 @@ TYPED_TEST(LayerNormTest, InPlaceForwardMatchesOutOfPlaceBitForBit) {
   }
 }
 
-// forward_stream_threshold(): the default is the streaming gate or more (a
-// sixteenth of the L3 the OS reports, when that is more); a set value holds
-// until a negative one restores the default.
+// forward_stream_threshold(): the default is the streaming gate (with the
+// Intel path choices, a sixteenth of the L3 the OS reports when that is
+// more); a set value holds until a negative one restores the default.
 TEST(ForwardStreamThreshold, SetAndRestore) {
+  for (int choices : {0, 2}) {
+    const nctest::IntelTuning tuning(choices);
+    EXPECT_EQ(normcore::forward_stream_threshold(), normcore::detail::kStreamingBytes) << choices;
+  }
+  {
+    const nctest::IntelTuning intel(1);
+    EXPECT_EQ(normcore::forward_stream_threshold(),
+              std::max(normcore::detail::kStreamingBytes, normcore::detail::l3_cache_bytes() / 16));
+  }
   const Index def = normcore::forward_stream_threshold();
   EXPECT_GE(def, normcore::detail::kStreamingBytes);
-  EXPECT_GE(def, normcore::detail::l3_cache_bytes() / 16);
   EXPECT_FALSE(normcore::detail::stream_forward_output(def - 1));
   EXPECT_TRUE(normcore::detail::stream_forward_output(def));
   normcore::set_forward_stream_threshold(12345);

@@ -561,19 +561,29 @@ inline Index l3_cache_bytes() { return 0; }
 inline Index l2_cache_bytes() { return 0; }
 #endif
 
-/// forward_stream_threshold()'s default: kStreamingBytes, or a sixteenth of
-/// the L3 the OS reports when that is more. A streaming store sends y to
-/// memory; an ordinary one leaves it in the cache, where the next layer
-/// reads it and where, in a loop over one input, the next call finds x.
-/// Which is faster depends on how much of the L3 the call gets. Measured
-/// on an Intel Xeon guest that reports 480 MB of L3 (AVX-512, float, the
-/// same input every call), LayerNorm forward with ordinary stores took
-/// 0.88x the time at 4096x1024 and 6144x1024, 0.99x at 8192x1024, but
-/// 1.47x at 12288x1024 and 1.96x at 4096x4096; RMSNorm 0.78x at
-/// 4096x1024. On Zen 4 (32 MB of L3) streaming stores took 0.77-0.82x the
-/// time at 4096x1024 (see bench/HISTORY.md, the sixth round), and
-/// 32 MB / 16 keeps the gate there at kStreamingBytes.
-inline Index default_forward_stream_bytes() { return std::max<Index>(kStreamingBytes, l3_cache_bytes() / 16); }
+inline bool intel_tuned();  // (below, with the other path choices)
+
+/// forward_stream_threshold()'s default: kStreamingBytes, or, with the
+/// Intel path choices (intel_tuned), a sixteenth of the L3 the OS reports
+/// when that is more. A streaming store sends y to memory; an ordinary one
+/// leaves it in the cache, where the next layer reads it and where, in a
+/// loop over one input, the next call finds x. Which is faster depends on
+/// how much of the L3 the call gets. Measured on an Intel Xeon guest that
+/// reports 480 MB of L3 (AVX-512, float, the same input every call),
+/// LayerNorm forward with ordinary stores took 0.88x the time at 4096x1024
+/// and 6144x1024, 0.99x at 8192x1024, but 1.47x at 12288x1024 and 1.96x at
+/// 4096x4096; RMSNorm 0.78x at 4096x1024. On Zen 4 (32 MB of L3)
+/// streaming stores took 0.77-0.82x the time at 4096x1024 (see
+/// bench/HISTORY.md, the sixth round). AMD CPUs keep kStreamingBytes
+/// whatever L3 the OS reports: a Zen 5 guest that reported 508 MB of L3 on
+/// one boot (32 MB on others; a core there reaches its own CCX's L3) took,
+/// with streaming stores from 12 MiB against from 31 MiB, 0.63x the time
+/// for LayerNorm forward at 65536x64, 0.62x at 32768x128, 0.70x at
+/// 2048x2048, 0.87x at 4096x1024 and 6144x1024; RMSNorm 0.85x at 65536x64,
+/// 0.84x at 4096x1024, 0.78x at 6144x1024 (float, both in one process).
+inline Index default_forward_stream_bytes() {
+  return intel_tuned() ? std::max<Index>(kStreamingBytes, l3_cache_bytes() / 16) : kStreamingBytes;
+}
 
 /// The setting behind forward_stream_threshold(); negative: the default.
 inline std::atomic<Index>& forward_stream_setting() {
