@@ -152,6 +152,9 @@ struct Impl {
 /// Registration hooks of the implementation files; each appends what it has.
 void add_normcore_impls(std::vector<Impl>& out);  // normcore, reference, eigen
 void add_copy_impl(std::vector<Impl>& out);      // memcpy: the roofline
+/// The caches as normcore reads them (sysconf) and the path choices they and
+/// the CPU give: the streaming-store threshold and the set of path choices.
+std::string normcore_cache_info();
 #ifdef NORMCORE_BENCH_HAVE_TORCH
 void add_torch_impls(std::vector<Impl>& out);
 std::string torch_info();  // version and CPU capability, for the context

@@ -7,6 +7,7 @@
 #define EIGEN_USE_THREADS
 #include <cmath>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include <normcore/normcore.hpp>
@@ -683,6 +684,15 @@ class EigenRunner : public Runner {
 };
 
 }  // namespace
+
+std::string normcore_cache_info() {
+  namespace d = normcore::detail;
+  const auto kib = [](normcore::Index b) { return b > 0 ? std::to_string(b >> 10) + " KiB" : std::string("not reported"); };
+  const int set = d::path_choices();
+  return "L2 " + kib(d::l2_cache_bytes()) + ", L3 " + kib(d::l3_cache_bytes()) +
+         " (sysconf); forward streaming stores from " + std::to_string(normcore::forward_stream_threshold() >> 20) +
+         " MiB; path choices: " + (set == 1 ? "Intel" : set == 2 ? "AMD Zen 5" : "other CPUs (Zen 4)");
+}
 
 void add_normcore_impls(std::vector<Impl>& out) {
   out.push_back({"normcore",

@@ -457,6 +457,7 @@ int main(int argc, char** argv) {
                                                    std::to_string(EIGEN_MINOR_VERSION));
   benchmark::AddCustomContext("malloc_tuning", tune_malloc ? "M_MMAP_MAX=0 M_TRIM_THRESHOLD=INT_MAX M_TOP_PAD=64MiB" : "off");
   benchmark::AddCustomContext("ATEN_CPU_CAPABILITY", std::getenv("ATEN_CPU_CAPABILITY"));
+  benchmark::AddCustomContext("normcore_caches", normcore_cache_info());
   std::string impl_list;
   for (const auto& i : impls()) impl_list += (impl_list.empty() ? "" : ",") + i.name;
   benchmark::AddCustomContext("implementations", impl_list);

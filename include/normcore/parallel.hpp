@@ -79,9 +79,10 @@ inline void cpu_relax() {
 /// on a pool thread (a few to tens of microseconds).
 constexpr std::chrono::microseconds kSpinWait{500};
 
-/// Parts per thread for row (and channel) splits: the threads claim parts as they come
-/// free (run_parts), so a thread that starts late or is descheduled for a
-/// while (a busy VM) leaves less of the work waiting on it.
+/// Parts per thread for row (and BatchNorm's channel) splits: the threads
+/// claim parts as they come free (run_parts), so a thread that starts late
+/// or is descheduled for a while (a busy VM) leaves less of the work
+/// waiting on it.
 constexpr Index kPartsPerThread = 4;
 
 /// How many parts to split `work` elements into on this device: at most

@@ -574,8 +574,8 @@ inline bool intel_tuned();  // (below, with the other path choices)
 /// and 6144x1024, 0.99x at 8192x1024, but 1.47x at 12288x1024 and 1.96x at
 /// 4096x4096; RMSNorm 0.78x at 4096x1024. On Zen 4 (32 MB of L3)
 /// streaming stores took 0.77-0.82x the time at 4096x1024 (see
-/// bench/HISTORY.md, the sixth round). AMD CPUs keep kStreamingBytes
-/// whatever L3 the OS reports: a Zen 5 guest that reported 508 MB of L3 on
+/// bench/HISTORY.md, the sixth round). Other CPUs, AMD's among them, keep
+/// kStreamingBytes whatever L3 the OS reports: a Zen 5 guest that reported 508 MB of L3 on
 /// one boot (32 MB on others; a core there reaches its own CCX's L3) took,
 /// with streaming stores from 12 MiB against from 31 MiB, 0.63x the time
 /// for LayerNorm forward at 65536x64, 0.62x at 32768x128, 0.70x at
@@ -598,10 +598,10 @@ inline std::atomic<Index>& forward_stream_setting() {
 /// stored as float or double, row-major, when y is aligned to a packet,
 /// every row is whole packets and y does not overlap x. Inputs under
 /// detail::kStreamingBytes (12 MiB) never stream, whatever the threshold
-/// (the forwards take them to be cached). Default: 12 MiB, or a sixteenth
-/// of the L3 cache the OS reports when that is more
-/// (detail::default_forward_stream_bytes). Only where the bits are written
-/// from changes, never the bits.
+/// (the forwards take them to be cached). Default: 12 MiB; with the Intel
+/// path choices, a sixteenth of the L3 cache the OS reports when that is
+/// more (detail::default_forward_stream_bytes). Only where the bits are
+/// written from changes, never the bits.
 inline Index forward_stream_threshold() {
   const Index v = detail::forward_stream_setting().load(std::memory_order_relaxed);
   return v >= 0 ? v : detail::default_forward_stream_bytes();
