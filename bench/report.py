@@ -234,6 +234,11 @@ def summary_table(per_threads):
     return lines
 
 
+# normcore::detail::kMinElementsPerThread: smaller calls run on the calling
+# thread whatever the device.
+TINY_ELEMENTS = 32768
+
+
 def same_process_threads_table(per_threads):
     """normcore on N threads ÷ normcore on the calling thread alone
     (normcore_1thread), both timed in the N-thread run, on every shape that
@@ -248,10 +253,7 @@ def same_process_threads_table(per_threads):
                     continue
                 ratio = nc["gbps"] / one["gbps"]
                 dims = shape_key(s)
-                elements = 1
-                for d in dims:
-                    elements *= d
-                if elements < 32768:
+                if math.prod(dims) < TINY_ELEMENTS:
                     tiny.append(ratio)
                 elif op.startswith("BN_") or dims[0] >= 512:
                     large.append(ratio)
@@ -259,21 +261,17 @@ def same_process_threads_table(per_threads):
     if not lines:
         return []
 
-    def median(v):
-        v = sorted(v)
-        return v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] + v[len(v) // 2]) / 2
-
     counts = []
     if large:
         counts.append(f"at least 512 rows (and every BatchNorm shape): {sum(r >= 1.7 for r in large)} of "
-                      f"{len(large)} cells at 1.7× or more, median {median(large):.2f}×")
+                      f"{len(large)} cells at 1.7× or more, median {statistics.median(large):.2f}×")
     if tiny:
-        counts.append(f"under 32768 elements: {sum(r >= 1.0 for r in tiny)} of {len(tiny)} cells at 1× or "
+        counts.append(f"under {TINY_ELEMENTS} elements: {sum(r >= 1.0 for r in tiny)} of {len(tiny)} cells at 1× or "
                       f"more, from {min(tiny):.2f}× to {max(tiny):.2f}×")
     return ["## Threads, in one process", "",
             "normcore on a device of N threads against normcore on the calling thread alone "
             "(`normcore_1thread`), both timed in the N-thread run, and the speed ratio (1-thread "
-            "time ÷ N-thread time; 1× or more is never slower). Shapes under 32768 elements run on "
+            f"time ÷ N-thread time; 1× or more is never slower). Shapes under {TINY_ELEMENTS} elements run on "
             "the calling thread with or without a device. Timed in one process, these ratios do not "
             "carry the drift between the 1- and N-thread processes that the per-op tables' "
             "1-thread and 2-thread columns do.", "",

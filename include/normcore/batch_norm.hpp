@@ -596,11 +596,11 @@ class BatchNorm {
         return;
       }
       const double f = momentum_step();
-      const std::vector<double> r = channel_rstd(C, [&](Index c) { return w[static_cast<std::size_t>(c)].variance(); });
+      const std::vector<double> r = batch_rstd(w);
       for (Index c = 0; c < C; ++c)
         k[static_cast<std::size_t>(c)] = batch_coeffs(c, pivot.data(), w.data(), f, r[static_cast<std::size_t>(c)]);
     } else {
-      const std::vector<double> r = channel_rstd(C, [&](Index c) { return static_cast<double>(running_var_(c)); });
+      const std::vector<double> r = running_rstd();
       for (Index c = 0; c < C; ++c)
         k[static_cast<std::size_t>(c)] = detail::norm_coeffs_r<T>(running_mean_(c), 0.0, static_cast<double>(running_var_(c)),
                                                                   r[static_cast<std::size_t>(c)]);
@@ -658,6 +658,14 @@ class BatchNorm {
     for (Index c = 0; c < C; ++c) r[static_cast<std::size_t>(c)] = var(c);
     detail::inv_sqrt_eps(r.data(), options_.eps(), C, r.data());
     return r;
+  }
+  // channel_rstd of the batch variances (w: a state per channel) and of the
+  // running variances.
+  std::vector<double> batch_rstd(const std::vector<Welford<double>>& w) const {
+    return channel_rstd(static_cast<Index>(w.size()), [&](Index c) { return w[static_cast<std::size_t>(c)].variance(); });
+  }
+  std::vector<double> running_rstd() const {
+    return channel_rstd(running_var_.size(), [&](Index c) { return static_cast<double>(running_var_(c)); });
   }
 
   // y = fma(x - pivot, rstd * gamma, beta - shift * gamma): the affine
@@ -1354,7 +1362,7 @@ class BatchNorm {
       std::vector<T> pivot;
       std::vector<Welford<double>> w;
       batch_moments(device, x.data(), v, pivot, w);
-      const std::vector<double> r = channel_rstd(C, [&](Index c) { return w[static_cast<std::size_t>(c)].variance(); });
+      const std::vector<double> r = batch_rstd(w);
       for (Index c = 0; c < C; ++c) {
         const auto& wc = w[static_cast<std::size_t>(c)];
         const auto k = detail::norm_coeffs_r<T>(pivot[static_cast<std::size_t>(c)], wc.mean(), wc.variance(),
@@ -1363,7 +1371,7 @@ class BatchNorm {
         rstd[static_cast<std::size_t>(c)] = k.rstd;
       }
     } else {
-      const std::vector<double> r = channel_rstd(C, [&](Index c) { return static_cast<double>(running_var_(c)); });
+      const std::vector<double> r = running_rstd();
       for (Index c = 0; c < C; ++c) {
         mean[static_cast<std::size_t>(c)] = running_mean_(c);
         rstd[static_cast<std::size_t>(c)] = static_cast<T>(r[static_cast<std::size_t>(c)]);

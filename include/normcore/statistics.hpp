@@ -575,12 +575,13 @@ inline bool intel_tuned();  // (below, with the other path choices)
 /// 4096x4096; RMSNorm 0.78x at 4096x1024. On Zen 4 (32 MB of L3)
 /// streaming stores took 0.77-0.82x the time at 4096x1024 (see
 /// bench/HISTORY.md, the sixth round). Other CPUs, AMD's among them, keep
-/// kStreamingBytes whatever L3 the OS reports: a Zen 5 guest that reported 508 MB of L3 on
-/// one boot (32 MB on others; a core there reaches its own CCX's L3) took,
-/// with streaming stores from 12 MiB against from 31 MiB, 0.63x the time
-/// for LayerNorm forward at 65536x64, 0.62x at 32768x128, 0.70x at
-/// 2048x2048, 0.87x at 4096x1024 and 6144x1024; RMSNorm 0.85x at 65536x64,
-/// 0.84x at 4096x1024, 0.78x at 6144x1024 (float, both in one process).
+/// kStreamingBytes whatever L3 the OS reports: a Zen 5 guest that reported
+/// 508 MB of L3 on one boot (32 MB on others; a core there reaches its own
+/// CCX's L3) took, with streaming stores from 12 MiB against from 31 MiB,
+/// 0.63x the time for LayerNorm forward at 65536x64, 0.62x at 32768x128,
+/// 0.70x at 2048x2048, 0.87x at 4096x1024 and 6144x1024; RMSNorm 0.85x at
+/// 65536x64, 0.84x at 4096x1024, 0.78x at 6144x1024 (float, both in one
+/// process).
 inline Index default_forward_stream_bytes() {
   return intel_tuned() ? std::max<Index>(kStreamingBytes, l3_cache_bytes() / 16) : kStreamingBytes;
 }
