@@ -64,6 +64,39 @@ TEST(Threads, RowLayersBitIdenticalForAnyThreadCount) {
   check_row_layers<float, Eigen::ColMajor>(1003, 129);
   check_row_layers<double, Eigen::RowMajor>(517, 768);
   check_row_layers<float, Eigen::RowMajor>(1, 768);  // tiny: stays on the calling thread
+  // Over kPartsPerThread parts a thread of kMaxRowPartElements: more parts
+  // than that (11 on 2 threads; the backwards' 16 row groups still bound them).
+  check_row_layers<float, Eigen::RowMajor>(2048, 700);
+  check_row_layers<float, Eigen::ColMajor>(4100, 300);
+}
+
+TEST(Threads, RowSplitsCapTheSizeOfTheirParts) {
+  struct Threads {  // all that parts_for asks of a device
+    int n;
+    int numThreads() const { return n; }
+  };
+  using normcore::detail::kMaxRowPartElements;
+  using normcore::detail::kPartsPerThread;
+  const Index works[] = {0, 1000, 32768, 1 << 20, (1 << 20) + 1, 3 << 20, 40000000};
+  const Index maxima[] = {1, 7, 64, 1 << 20};
+  for (int threads : {1, 2, 3, 8}) {
+    for (Index work : works) {
+      for (Index most : maxima) {
+        SCOPED_TRACE(::testing::Message() << threads << " threads, " << work << " elements, at most " << most);
+        const Index base = normcore::detail::parts_for(Threads{threads}, work, most, kPartsPerThread);
+        const Index parts = normcore::detail::row_parts_for(Threads{threads}, work, most);
+        EXPECT_GE(parts, base);
+        EXPECT_LE(parts, std::max<Index>(1, most));
+        if (base <= 1 || work <= threads * kPartsPerThread * kMaxRowPartElements) {
+          EXPECT_EQ(parts, base);  // one part stays one; smaller inputs keep their split
+        } else if (parts < most) {
+          EXPECT_LE((work + parts - 1) / parts, kMaxRowPartElements);
+        }
+      }
+    }
+  }
+  // 4096x1024 on 2 threads: 32 parts of 128K elements instead of 8.
+  EXPECT_EQ(normcore::detail::row_parts_for(Threads{2}, 4096 * 1024, 4096), 32);
 }
 
 template <int Axis, typename T = float>

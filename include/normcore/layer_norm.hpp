@@ -340,7 +340,7 @@ class LayerNorm {
     constexpr int L = detail::simd<T>::L;
     const Index n = xv.cols, rows = xv.rows;
     const Index align = xv.row_major ? 1 : L;
-    const Index parts = detail::parts_for(device, rows * n, (rows + align - 1) / align, detail::kPartsPerThread);
+    const Index parts = detail::row_parts_for(device, rows * n, (rows + align - 1) / align);
     const detail::Split split{rows, parts, align};
     const bool large = detail::streaming_input<S, T>(rows, n);
     const bool streaming = large || intel_streaming<S>(rows, n);
@@ -897,7 +897,7 @@ class LayerNorm {
     const Index units = (rows + align - 1) / align;
     const Index groups = std::max<Index>(1, std::min<Index>(units, kGroups));
     const detail::Split gsplit{rows, groups, align};
-    const Index parts = detail::parts_for(device, rows * n, groups, detail::kPartsPerThread);
+    const Index parts = detail::row_parts_for(device, rows * n, groups);
     const detail::Split psplit{groups, parts, 1};  // groups per thread
     // Statistics: saved, or recomputed exactly as forward computes them.
     detail::Scratch<T> stat(saved ? 0 : static_cast<std::size_t>(2 * rows), false);

@@ -385,7 +385,7 @@ void fused_add_norm(const Device& device, const char* who, const std::vector<Ind
     resize_vector(saved->rstd, rows);
   }
   if (rows == 0) return;
-  const Index parts = parts_for(device, rows * n, rows, kPartsPerThread);
+  const Index parts = row_parts_for(device, rows * n, rows);
   const Split split{rows, parts, 1};
   if constexpr (std::is_same<S, T>::value) {
     const Index total = rows * n;

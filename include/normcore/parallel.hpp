@@ -96,6 +96,40 @@ Index parts_for(const Device& d, Index work, Index max_parts, Index per_thread =
   return std::max<Index>(1, std::min<Index>({most, by_size, max_parts}));
 }
 
+/// The most elements of work per part in the row-wise layers' splits
+/// (row_parts_for). A call's parts run until none is left, so when one
+/// thread runs out first it waits for the part the other is in; on large
+/// inputs kPartsPerThread parts a thread are large (2 MB of floats at
+/// 4096x1024 on 2 threads), and that wait is long whenever the threads run
+/// at different speeds (a shared VM's vCPUs: on the Zen 5 guest one ran a
+/// compute loop 13-30% slower than the other, alone or not) or one starts
+/// late. Measured there, 2 threads, float, AVX-512, parts of at most this
+/// size against kPartsPerThread alone (one process, the settings in a new
+/// random order each round, the median of 41 paired ratios): LayerNorm
+/// forward 0.83x the time at 4096x1024 and 0.91x at 4096x4096; RMSNorm
+/// forward 0.81x at 4096x1024, 0.91x at 16384x4096 and 0.79x at 65536x64;
+/// LayerNorm backward 0.88x at 4096x1024 and 0.93x at 4096x4096; RMSNorm
+/// backward 0.87x at 4096x1024; 1.00x on the other shapes of more than
+/// 1M elements (LayerNorm forward at 65536x64, the backwards at 65536x64,
+/// RMSNorm backward at 4096x4096). Parts of 256K elements gained less
+/// (0.85-0.93x the time at 4096x1024), 64K about the same. Smaller inputs
+/// (up to 1M elements on 2 threads) keep their parts. BatchNorm's splits
+/// keep kPartsPerThread: eight or sixteen parts a thread there took
+/// 0.92-1.23x the time (the most at 256x256x14x14, channels-first
+/// backward, whose channel parts then cut every sample's run shorter).
+constexpr Index kMaxRowPartElements = Index(1) << 17;
+
+/// parts_for a row-wise split (LayerNorm, RMSNorm, their 16-bit and fused
+/// forms): kPartsPerThread parts a thread, or more, of at most
+/// kMaxRowPartElements elements each, on inputs that large (never more
+/// than max_parts). One part stays one part.
+template <typename Device>
+Index row_parts_for(const Device& d, Index work, Index max_parts) {
+  const Index parts = parts_for(d, work, max_parts, kPartsPerThread);
+  if (parts <= 1) return parts;
+  return std::min(max_parts, std::max(parts, (work + kMaxRowPartElements - 1) / kMaxRowPartElements));
+}
+
 /// Whether a call of `work` elements on device d runs on the calling thread
 /// alone: fewer elements than kMinElementsPerThread (parts_for's one part),
 /// or a device of one thread. The layers' device overloads then take their

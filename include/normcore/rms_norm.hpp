@@ -390,7 +390,7 @@ class RMSNorm {
     S* out = y.data();
     T* rsave = saved ? saved->rstd.data() : nullptr;
     const Index align = xv.row_major ? 1 : L;
-    const Index parts = detail::parts_for(device, rows * n, (rows + align - 1) / align, detail::kPartsPerThread);
+    const Index parts = detail::row_parts_for(device, rows * n, (rows + align - 1) / align);
     const detail::Split split{rows, parts, align};
     const bool streaming = detail::streaming_input<S, T>(rows, n);
     const bool stream_out = streaming && detail::stream_forward_output(rows * n * static_cast<Index>(sizeof(T)));
@@ -658,7 +658,7 @@ class RMSNorm {
     const Index units = (rows + align - 1) / align;
     const Index groups = std::max<Index>(1, std::min<Index>(units, kGroups));
     const detail::Split gsplit{rows, groups, align};
-    const Index parts = detail::parts_for(device, rows * n, groups, detail::kPartsPerThread);
+    const Index parts = detail::row_parts_for(device, rows * n, groups);
     const detail::Split psplit{groups, parts, 1};
     const auto prm = detail::param_ptrs<T>(weight_, Eigen::Tensor<P, 1>());
     const auto pv = detail::param_view(!xv.row_major, options_.normalized_shape(), prm.gamma,
