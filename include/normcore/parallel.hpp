@@ -102,7 +102,7 @@ Index parts_for(const Device& d, Index work, Index max_parts, Index per_thread =
 /// inputs kPartsPerThread parts a thread are large (2 MB of floats at
 /// 4096x1024 on 2 threads), and that wait is long whenever the threads run
 /// at different speeds (a shared VM's vCPUs: on the Zen 5 guest one ran a
-/// compute loop 13-30% slower than the other, alone or not) or one starts
+/// compute loop 12-30% slower than the other, alone or not) or one starts
 /// late. Measured there, 2 threads, float, AVX-512, parts of at most this
 /// size against kPartsPerThread alone (one process, the settings in a new
 /// random order each round, the median of 41 paired ratios): LayerNorm
