@@ -65,9 +65,11 @@ TEST(Threads, RowLayersBitIdenticalForAnyThreadCount) {
   check_row_layers<double, Eigen::RowMajor>(517, 768);
   check_row_layers<float, Eigen::RowMajor>(1, 768);  // tiny: stays on the calling thread
   // Over kPartsPerThread parts a thread of kMaxRowPartElements: more parts
-  // than that (11 on 2 threads; the backwards' 16 row groups still bound them).
+  // than that on 2 threads (11 and 10); at 4096x600 the forwards take 19
+  // parts and the backwards 16, their most (one per row group).
   check_row_layers<float, Eigen::RowMajor>(2048, 700);
   check_row_layers<float, Eigen::ColMajor>(4100, 300);
+  check_row_layers<float, Eigen::RowMajor>(4096, 600);
 }
 
 TEST(Threads, RowSplitsCapTheSizeOfTheirParts) {

@@ -21,7 +21,7 @@
 // every result is bit-identical for any number of threads. The calling
 // thread, out of parts to claim, spins briefly for the running ones before
 // it sleeps (PartClaims::wait). A call allocates nothing once its thread has
-// made one (PartClaims).
+// made one with as many parts (PartClaims).
 #pragma once
 
 #include <algorithm>
@@ -102,17 +102,20 @@ Index parts_for(const Device& d, Index work, Index max_parts, Index per_thread =
 /// inputs kPartsPerThread parts a thread are large (2 MB of floats at
 /// 4096x1024 on 2 threads), and that wait is long whenever the threads run
 /// at different speeds (a shared VM's vCPUs: on the Zen 5 guest one ran a
-/// compute loop 12-30% slower than the other, alone or not) or one starts
+/// compute loop 11-33% slower than the other, alone or not) or one starts
 /// late. Measured there, 2 threads, float, AVX-512, parts of at most this
 /// size against kPartsPerThread alone (one process, the settings in a new
 /// random order each round, the median of 41 paired ratios): LayerNorm
 /// forward 0.83x the time at 4096x1024 and 0.91x at 4096x4096; RMSNorm
 /// forward 0.81x at 4096x1024, 0.91x at 16384x4096 and 0.79x at 65536x64;
 /// LayerNorm backward 0.88x at 4096x1024 and 0.93x at 4096x4096; RMSNorm
-/// backward 0.87x at 4096x1024; 1.00x on the other shapes of more than
-/// 1M elements (LayerNorm forward at 65536x64, the backwards at 65536x64,
-/// RMSNorm backward at 4096x4096). Parts of 256K elements gained less
-/// (0.85-0.93x the time at 4096x1024), 64K about the same. Smaller inputs
+/// backward 0.87x at 4096x1024; bfloat16 LayerNorm forward 0.96-1.00x;
+/// 1.00x on the other shapes of more than 1M elements (LayerNorm forward at
+/// 65536x64, the backwards at 65536x64, RMSNorm backward at 4096x4096).
+/// The backwards' parts stay whole row groups, of which there are at most
+/// 16 (parameter gradients are summed per group): at 4096x4096, 16 parts of
+/// 1M elements. Parts of 256K elements gained less (0.85-0.93x the time at
+/// 4096x1024), 64K about the same. Smaller inputs
 /// (up to 1M elements on 2 threads) keep their parts. BatchNorm's splits
 /// keep kPartsPerThread: eight or sixteen parts a thread there took
 /// 0.92-1.23x the time (the most at 256x256x14x14, channels-first
