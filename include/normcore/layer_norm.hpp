@@ -1235,15 +1235,32 @@ class LayerNorm {
     // block's dweight/dbias sums loaded and stored once for both, each row's
     // terms added in row order, so the same bits as one row at a time).
     const bool into_l1 = ahead && detail::backward_requests_into_l1();
-    const auto second = [&](auto rows_c, Index r, const detail::BackwardCoeffs<T>* c) {
+    // Full: the usual training call (dx, gamma, dweight and dbias, no dh),
+    // its tests fixed at compile time; other calls test them per packet.
+    const bool full = dx && gamma && !dh && dw && db;
+    const auto second = [&](auto rows_c, auto full_c, Index r, const detail::BackwardCoeffs<T>* c) {
       constexpr int R = decltype(rows_c)::value;
+      constexpr bool F = decltype(full_c)::value;
+      // Locals, not the captured references: the packet stores may alias
+      // anything, so the compiler would reload every captured value after
+      // each of them.
+      const S* const xl = x;
+      const S* const dyl = dy;
+      S* const dxl = dx;
+      const T* const gl = gamma;
+      const S* const dhl = F ? nullptr : dh;
+      T* const aw = accw;
+      T* const ab = accb;
+      const Index nl = n;
+      const bool want_dx = F || dx != nullptr, want_g = F || gamma != nullptr;
+      const bool want_w = F || dw != nullptr, want_b = F || db != nullptr;
       const S* xr[R];
       const S* gr[R];
       Packet pp[R], pr[R], p3[R], p4[R], pxs[R];
       NORMCORE_UNROLL
       for (int i = 0; i < R; ++i) {
-        xr[i] = x + (r + i) * n;
-        gr[i] = dy + (r + i) * n;
+        xr[i] = xl + (r + i) * nl;
+        gr[i] = dyl + (r + i) * nl;
         pp[i] = pset1<Packet>(mean[r + i]);
         pr[i] = pset1<Packet>(rstd[r + i]);
         p3[i] = pset1<Packet>(c[i].k3);
@@ -1251,51 +1268,52 @@ class LayerNorm {
         pxs[i] = pset1<Packet>(c[i].xs);
       }
       const bool next = R == 1 && ahead && r + 1 < rows;  // detail::prefetch_next_row
+      const bool l1 = into_l1;
       Index j = 0;
-      for (; j + L <= n; j += L) {
-        if (next) detail::request_next_row<L>(xr[0] + n, gr[0] + n, j, into_l1);
+      for (; j + L <= nl; j += L) {
+        if (next) detail::request_next_row<L>(xr[0] + nl, gr[0] + nl, j, l1);
         Packet dyv[R], xh[R];
         NORMCORE_UNROLL
         for (int i = 0; i < R; ++i) {
           dyv[i] = ld(gr[i] + j);
           xh[i] = pmadd(psub(ld(xr[i] + j), pp[i]), pr[i], pxs[i]);
         }
-        if (dx) {
-          const Packet gm = gamma ? ploadu<Packet>(gamma + j) : pset1<Packet>(T(1));
+        if (want_dx) {
+          const Packet gm = want_g ? ploadu<Packet>(gl + j) : pset1<Packet>(T(1));
           NORMCORE_UNROLL
           for (int i = 0; i < R; ++i) {
-            const Packet g = gamma ? pmul(dyv[i], gm) : dyv[i];
+            const Packet g = want_g ? pmul(dyv[i], gm) : dyv[i];
             Packet o = pmadd(g, pr[i], pnegate(pmadd(xh[i], p3[i], p4[i])));
-            if (dh) o = padd(o, ld(dh + (r + i) * n + j));
-            detail::store_packet<Stream>(dx + (r + i) * n + j, o);
+            if (dhl) o = padd(o, ld(dhl + (r + i) * nl + j));
+            detail::store_packet<Stream>(dxl + (r + i) * nl + j, o);
           }
         }
-        if (dw) {
-          Packet a = ploadu<Packet>(accw + j);
+        if (want_w) {
+          Packet a = ploadu<Packet>(aw + j);
           NORMCORE_UNROLL
           for (int i = 0; i < R; ++i) a = pmadd(dyv[i], xh[i], a);
-          pstoreu(accw + j, a);
+          pstoreu(aw + j, a);
         }
-        if (db) {
-          Packet b = ploadu<Packet>(accb + j);
+        if (want_b) {
+          Packet b = ploadu<Packet>(ab + j);
           NORMCORE_UNROLL
           for (int i = 0; i < R; ++i) b = padd(dyv[i], b);
-          pstoreu(accb + j, b);
+          pstoreu(ab + j, b);
         }
       }
       NORMCORE_UNROLL
       for (int i = 0; i < R; ++i) {
         const T p = mean[r + i], rs = rstd[r + i];
-        for (Index t = j; t < n; ++t) {
+        for (Index t = j; t < nl; ++t) {
           const T dyj = v(gr[i][t]);  // read before dx is written: dx may be dy
           const T xh1 = detail::madd(v(xr[i][t]) - p, rs, c[i].xs);
-          if (dx) {
-            const T g = gamma ? dyj * gamma[t] : dyj;
+          if (want_dx) {
+            const T g = want_g ? dyj * gl[t] : dyj;
             const T o = detail::madd(g, rs, -detail::madd(xh1, c[i].k3, c[i].k4));
-            dx[(r + i) * n + t] = static_cast<S>(dh ? o + v(dh[(r + i) * n + t]) : o);
+            dxl[(r + i) * nl + t] = static_cast<S>(dhl ? o + v(dhl[(r + i) * nl + t]) : o);
           }
-          if (dw) accw[t] = detail::madd(dyj, xh1, accw[t]);
-          if (db) accb[t] += dyj;
+          if (want_w) aw[t] = detail::madd(dyj, xh1, aw[t]);
+          if (want_b) ab[t] += dyj;
         }
       }
     };
@@ -1304,11 +1322,19 @@ class LayerNorm {
       for (Index r = r0; r < r1;) {
         if (!ahead && r + 1 < r1) {  // rows in cache: two at a time
           const detail::BackwardCoeffs<T> c[2] = {coeffs(r), coeffs(r + 1)};
-          second(std::integral_constant<int, 2>(), r, c);
+          if (full) {
+            second(std::integral_constant<int, 2>(), std::true_type(), r, c);
+          } else {
+            second(std::integral_constant<int, 2>(), std::false_type(), r, c);
+          }
           r += 2;
         } else {
           const detail::BackwardCoeffs<T> c = coeffs(r);
-          second(std::integral_constant<int, 1>(), r, &c);
+          if (full) {
+            second(std::integral_constant<int, 1>(), std::true_type(), r, &c);
+          } else {
+            second(std::integral_constant<int, 1>(), std::false_type(), r, &c);
+          }
           ++r;
         }
       }
