@@ -195,9 +195,8 @@ TYPED_TEST(LayerNormTest, ConstantRowGivesExactlyBeta) {
 // A row's output depends only on the row: alone, inside a batch, at an
 // unaligned address: bit for bit.
 template <typename T, int Layout>
-void check_batch_independence(Index n) {
+void check_batch_independence(Index n, Index rows = 37, Index pick = 21) {
   SCOPED_TRACE(::testing::Message() << "n=" << n << (Layout == Eigen::RowMajor ? " RowMajor" : " ColMajor"));
-  const Index rows = 37, pick = 21;
   LayerNorm<T> ln(LayerNormOptions({n}));
   randomize_params(ln, 3);
   const auto xl = randn<T>(static_cast<std::size_t>(rows * n), 9, 3.0, 2.0);
@@ -254,6 +253,20 @@ TYPED_TEST(LayerNormTest, BatchSizeIndependenceBitForBit) {
       check_batch_independence<TypeParam, Eigen::ColMajor>(n);
     }
   }
+}
+
+// ColMajor kernels take up to four packets of rows side by side (forward:
+// whole blocks of 4, then 2, then 1 packets; backward: the same within each
+// row group): a row's y and dx must not depend on which block it lands in.
+// 1130 rows: forward blocks of 4 packets, one of 2 and padded leftovers;
+// backward groups of 64 and 80 rows. 700 rows: backward groups of 32 and 48.
+TYPED_TEST(LayerNormTest, ColMajorPacketBlocksBitForBit) {
+  for (const auto& [rows, pick] : {std::pair<Index, Index>{1130, 1}, {1130, 1100}, {1130, 1125}, {700, 650}}) {
+    SCOPED_TRACE(::testing::Message() << rows << " rows, pick " << pick);
+    check_batch_independence<TypeParam, Eigen::ColMajor>(17, rows, pick);
+  }
+  check_against_reference<TypeParam, Eigen::ColMajor>(1130, 17, 41, 0.5);
+  check_against_reference<TypeParam, Eigen::ColMajor>(700, 40, 43, 0.5);
 }
 
 // Fewer rows than one block of the parameter sums (64) write dweight and

@@ -835,8 +835,15 @@ class LayerNorm {
       }
     }
     Index i0 = 0;
+    for (; i0 + kLanePackets * L <= m; i0 += kLanePackets * L) {
+      normalize_lanes<kLanePackets>(xv.data + r0 + i0, out + r0 + i0, rows, n, piv + i0, rs + i0, sh + i0, g, b);
+    }
+    if (i0 + 2 * L <= m) {
+      normalize_lanes<2>(xv.data + r0 + i0, out + r0 + i0, rows, n, piv + i0, rs + i0, sh + i0, g, b);
+      i0 += 2 * L;
+    }
     for (; i0 + L <= m; i0 += L) {
-      normalize_lanes(xv.data + r0 + i0, out + r0 + i0, rows, n, piv + i0, rs + i0, sh + i0, g, b);
+      normalize_lanes<1>(xv.data + r0 + i0, out + r0 + i0, rows, n, piv + i0, rs + i0, sh + i0, g, b);
     }
     if (i0 < m) {
       // Leftover rows go through the same packet code on a padded copy, so a
@@ -850,24 +857,43 @@ class LayerNorm {
       detail::gather_values(piv, i0, k, Index(L), tc);
       detail::gather_values(rs, i0, k, Index(L), tc + L);
       detail::gather_values(sh, i0, k, Index(L), tc + 2 * L);
-      normalize_lanes(tx, ty, L, n, tc, tc + L, tc + 2 * L, g, b);
+      normalize_lanes<1>(tx, ty, L, n, tc, tc + L, tc + 2 * L, g, b);
       detail::scatter_lanes(ty, rows, r0 + i0, k, n, Index(L), out);
     }
   }
 
-  // One packet of rows (lanes) of a ColMajor block with leading dimension ld.
+  // ColMajor kernels take kLanePackets packets of rows side by side where
+  // they can: each feature's values of those rows are then one contiguous run.
+  static constexpr int kLanePackets = 4;
+  // The backward's (three sums a packet in its first pass): 4 with 32
+  // vector registers, else 2.
+  static constexpr int kBackwardLanePackets = EIGEN_ARCH_DEFAULT_NUMBER_OF_REGISTERS >= 32 ? 4 : 2;
+
+  // K packets of rows (lanes) of a ColMajor block with leading dimension ld;
+  // each lane's arithmetic is the same whatever K.
+  template <int K>
   static void normalize_lanes(const T* x, T* out, Index ld, Index n, const T* piv, const T* rs,
                               const T* sh, const T* gamma, const T* beta) {
     using namespace Eigen::internal;
     using Packet = typename detail::simd<T>::Packet;
-    const Packet pp = ploadu<Packet>(piv), pr = ploadu<Packet>(rs), pc = ploadu<Packet>(sh);
+    constexpr int L = detail::simd<T>::L;
+    Packet pp[K], pr[K], pc[K];
+    NORMCORE_UNROLL
+    for (int k = 0; k < K; ++k) {
+      pp[k] = ploadu<Packet>(piv + k * L);
+      pr[k] = ploadu<Packet>(rs + k * L);
+      pc[k] = ploadu<Packet>(sh + k * L);
+    }
     for (Index j = 0; j < n; ++j) {
-      Packet v = pmadd(psub(ploadu<Packet>(x + j * ld), pp), pr, pc);
-      if (gamma) {
-        v = beta ? pmadd(v, pset1<Packet>(gamma[j]), pset1<Packet>(beta[j]))
-                 : pmul(v, pset1<Packet>(gamma[j]));
+      const T* xj = x + j * ld;
+      T* oj = out + j * ld;
+      const Packet gj = pset1<Packet>(gamma ? gamma[j] : T(1)), bj = pset1<Packet>(beta ? beta[j] : T(0));
+      NORMCORE_UNROLL
+      for (int k = 0; k < K; ++k) {
+        Packet v = pmadd(psub(ploadu<Packet>(xj + k * L), pp[k]), pr[k], pc[k]);
+        if (gamma) v = beta ? pmadd(v, gj, bj) : pmul(v, gj);
+        pstoreu(oj + k * L, v);
       }
-      pstoreu(out + j * ld, v);
     }
   }
 
@@ -1350,9 +1376,19 @@ class LayerNorm {
                                 Index n, const T* mean, const T* rstd, const T* gamma, double* dw,
                                 double* db) {
     constexpr int L = detail::simd<T>::L;
+    constexpr int K = kBackwardLanePackets;
+    for (; r0 + K * L <= r1; r0 += K * L) {
+      backward_lanes<K>(x + r0, dy + r0, dx ? dx + r0 : nullptr, rows, n, mean + r0, rstd + r0, gamma,
+                        dw, db, K * L);
+    }
+    if (K > 2 && r0 + 2 * L <= r1) {  // (groups of 2 or 3 packets: every 16th of 512 rows)
+      backward_lanes<2>(x + r0, dy + r0, dx ? dx + r0 : nullptr, rows, n, mean + r0, rstd + r0, gamma,
+                        dw, db, 2 * L);
+      r0 += 2 * L;
+    }
     for (; r0 + L <= r1; r0 += L) {
-      backward_lanes(x + r0, dy + r0, dx ? dx + r0 : nullptr, rows, n, mean + r0, rstd + r0, gamma,
-                     dw, db, L);
+      backward_lanes<1>(x + r0, dy + r0, dx ? dx + r0 : nullptr, rows, n, mean + r0, rstd + r0, gamma,
+                        dw, db, L);
     }
     if (r0 < r1) {
       // Leftover rows: the same packet code on a padded copy (see forward).
@@ -1367,36 +1403,51 @@ class LayerNorm {
       detail::gather_lanes(dy, rows, r0, m, n, Index(L), tdy);
       detail::gather_values(mean, r0, m, Index(L), ts);
       detail::gather_values(rstd, r0, m, Index(L), ts + L);
-      backward_lanes(tx, tdy, dx ? tdx : nullptr, L, n, ts, ts + L, gamma, dw, db, m);
+      backward_lanes<1>(tx, tdy, dx ? tdx : nullptr, L, n, ts, ts + L, gamma, dw, db, m);
       if (dx) detail::scatter_lanes(tdx, rows, r0, m, n, Index(L), dx);
     }
   }
 
-  // One packet of rows with leading dimension ld; only the first `active`
-  // lanes contribute to dw and db.
+  // K packets of rows with leading dimension ld; only the first `active`
+  // lanes contribute to dw and db. Each lane's arithmetic is the same
+  // whatever K, and dw[j] and db[j] take the packets' terms in lane order,
+  // so the same bits as K calls of one packet.
+  template <int K>
   static void backward_lanes(const T* x, const T* dy, T* dx, Index ld, Index n, const T* mean,
                              const T* rstd, const T* gamma, double* dw, double* db, Index active) {
     using namespace Eigen::internal;
     using Packet = typename detail::simd<T>::Packet;
     constexpr int L = detail::simd<T>::L;
-    alignas(64) T buf[3][L];
-    const Packet pp = ploadu<Packet>(mean);
-    const Packet pr = ploadu<Packet>(rstd);
-    Packet sg = pset1<Packet>(T(0)), sgd = sg, sd = sg;
-    for (Index j = 0; j < n; ++j) {
-      Packet g = ploadu<Packet>(dy + j * ld);
-      if (gamma) g = pmul(g, pset1<Packet>(gamma[j]));
-      const Packet d = psub(ploadu<Packet>(x + j * ld), pp);
-      sg = padd(sg, g);
-      sgd = pmadd(g, d, sgd);
-      sd = padd(sd, d);
-    }
-    pstoreu(buf[0], sg);
-    pstoreu(buf[1], sgd);
-    pstoreu(buf[2], sd);
-    alignas(64) T k3[L], k4[L], xs[L], mask[L];
+    alignas(64) T buf[3][K * L];
+    Packet pp[K], pr[K], sg[K], sgd[K], sd[K];
     NORMCORE_UNROLL
-    for (int l = 0; l < L; ++l) {
+    for (int k = 0; k < K; ++k) {
+      pp[k] = ploadu<Packet>(mean + k * L);
+      pr[k] = ploadu<Packet>(rstd + k * L);
+      sg[k] = sgd[k] = sd[k] = pset1<Packet>(T(0));
+    }
+    for (Index j = 0; j < n; ++j) {
+      const T* xj = x + j * ld;
+      const T* yj = dy + j * ld;
+      const Packet gmj = pset1<Packet>(gamma ? gamma[j] : T(1));
+      NORMCORE_UNROLL
+      for (int k = 0; k < K; ++k) {
+        Packet g = ploadu<Packet>(yj + k * L);
+        if (gamma) g = pmul(g, gmj);
+        const Packet d = psub(ploadu<Packet>(xj + k * L), pp[k]);
+        sg[k] = padd(sg[k], g);
+        sgd[k] = pmadd(g, d, sgd[k]);
+        sd[k] = padd(sd[k], d);
+      }
+    }
+    NORMCORE_UNROLL
+    for (int k = 0; k < K; ++k) {
+      pstoreu(buf[0] + k * L, sg[k]);
+      pstoreu(buf[1] + k * L, sgd[k]);
+      pstoreu(buf[2] + k * L, sd[k]);
+    }
+    alignas(64) T k3[K * L], k4[K * L], xs[K * L], mask[K * L];
+    for (int l = 0; l < K * L; ++l) {
       const auto bc = detail::backward_coeffs<T>(static_cast<double>(buf[0][l]), static_cast<double>(buf[1][l]),
                                                  static_cast<double>(buf[2][l]), n, rstd[l]);
       k3[l] = bc.k3;
@@ -1404,18 +1455,30 @@ class LayerNorm {
       xs[l] = bc.xs;
       mask[l] = l < active ? T(1) : T(0);
     }
-    const Packet p3 = ploadu<Packet>(k3), p4 = ploadu<Packet>(k4), pxs = ploadu<Packet>(xs),
-                 pm = ploadu<Packet>(mask);
+    Packet p3[K], p4[K], pxs[K], pm[K];
+    NORMCORE_UNROLL
+    for (int k = 0; k < K; ++k) {
+      p3[k] = ploadu<Packet>(k3 + k * L);
+      p4[k] = ploadu<Packet>(k4 + k * L);
+      pxs[k] = ploadu<Packet>(xs + k * L);
+      pm[k] = ploadu<Packet>(mask + k * L);
+    }
     for (Index j = 0; j < n; ++j) {
-      const Packet dyv = ploadu<Packet>(dy + j * ld);
-      const Packet xh = pmadd(psub(ploadu<Packet>(x + j * ld), pp), pr, pxs);
-      if (dx) {
-        const Packet g = gamma ? pmul(dyv, pset1<Packet>(gamma[j])) : dyv;
-        pstoreu(dx + j * ld, pmadd(g, pr, pnegate(pmadd(xh, p3, p4))));
+      const T* xj = x + j * ld;
+      const T* yj = dy + j * ld;
+      const Packet gmj = pset1<Packet>(gamma ? gamma[j] : T(1));
+      NORMCORE_UNROLL
+      for (int k = 0; k < K; ++k) {
+        const Packet dyv = ploadu<Packet>(yj + k * L);
+        const Packet xh = pmadd(psub(ploadu<Packet>(xj + k * L), pp[k]), pr[k], pxs[k]);
+        if (dx) {
+          const Packet g = gamma ? pmul(dyv, gmj) : dyv;
+          pstoreu(dx + j * ld + k * L, pmadd(g, pr[k], pnegate(pmadd(xh, p3[k], p4[k]))));
+        }
+        const Packet dym = pmul(dyv, pm[k]);
+        if (dw) dw[j] += static_cast<double>(predux(pmul(dym, xh)));
+        if (db) db[j] += static_cast<double>(predux(dym));
       }
-      const Packet dym = pmul(dyv, pm);
-      if (dw) dw[j] += static_cast<double>(predux(pmul(dym, xh)));
-      if (db) db[j] += static_cast<double>(predux(dym));
     }
   }
 

@@ -263,6 +263,9 @@ class RMSNorm {
  private:
   static constexpr const char* kWho = "normcore::RMSNorm";
   static constexpr Index kRowBlock = 64;
+  // Packets of rows the ColMajor kernels take side by side where they can.
+  static constexpr int kLanePackets = 4;
+  static constexpr int kBackwardLanePackets = 4;
   static constexpr Index kGroups = 16;
   using W = detail::rstd_t<T>;  // rstd before rounding to T
 
@@ -438,22 +441,43 @@ class RMSNorm {
           const W ri = r[static_cast<std::size_t>(i)];
           rt[static_cast<std::size_t>(i - r0)] = detail::normal_in<T>(ri) ? static_cast<T>(ri) : T(0);
         }
-        auto lanes = [&](const T* xb, T* yb, Index ld, const T* rb) {
-          const Packet pr = ploadu<Packet>(rb);
-          for (Index j = 0; j < n; ++j) {
-            Packet v = pmul(ploadu<Packet>(xb + j * ld), pr);
-            if (g) v = pmul(v, pset1<Packet>(g[j]));
-            pstoreu(yb + j * ld, v);
+        // K packets of rows side by side (kLanePackets where they can, as
+        // LayerNorm's ColMajor kernels); each lane's arithmetic is the same.
+        auto lanes = [&](auto k_c, const T* xb, T* yb, Index ld, const T* rb) {
+          constexpr int K = decltype(k_c)::value;
+          const Index nl = n;  // locals: the packet stores may alias anything
+          const T* const gl = g;
+          Packet pr[K];
+          NORMCORE_UNROLL
+          for (int k = 0; k < K; ++k) pr[k] = ploadu<Packet>(rb + k * L);
+          for (Index j = 0; j < nl; ++j) {
+            const T* xj = xb + j * ld;
+            T* yj = yb + j * ld;
+            const Packet gj = pset1<Packet>(gl ? gl[j] : T(1));
+            NORMCORE_UNROLL
+            for (int k = 0; k < K; ++k) {
+              Packet v = pmul(ploadu<Packet>(xj + k * L), pr[k]);
+              if (gl) v = pmul(v, gj);
+              pstoreu(yj + k * L, v);
+            }
           }
         };
+        constexpr int KP = kLanePackets;
         Index i0 = r0;
-        for (; i0 + L <= r1; i0 += L) lanes(xv.data + i0, out + i0, rows, rt.data() + (i0 - r0));
+        for (; i0 + KP * L <= r1; i0 += KP * L)
+          lanes(std::integral_constant<int, KP>(), xv.data + i0, out + i0, rows, rt.data() + (i0 - r0));
+        if (i0 + 2 * L <= r1) {
+          lanes(std::integral_constant<int, 2>(), xv.data + i0, out + i0, rows, rt.data() + (i0 - r0));
+          i0 += 2 * L;
+        }
+        for (; i0 + L <= r1; i0 += L)
+          lanes(std::integral_constant<int, 1>(), xv.data + i0, out + i0, rows, rt.data() + (i0 - r0));
         if (i0 < r1) {
           const Index m = r1 - i0;
           std::vector<T> tmp(static_cast<std::size_t>(2 * L * n + L));
           detail::gather_lanes(xv.data, rows, i0, m, n, Index(L), tmp.data());
           detail::gather_values(rt.data(), i0 - r0, m, Index(L), tmp.data() + 2 * L * n);
-          lanes(tmp.data(), tmp.data() + L * n, L, tmp.data() + 2 * L * n);
+          lanes(std::integral_constant<int, 1>(), tmp.data(), tmp.data() + L * n, L, tmp.data() + 2 * L * n);
           detail::scatter_lanes(tmp.data() + L * n, rows, i0, m, n, Index(L), out);
         }
         for (Index i = r0; i < r1; ++i)
@@ -1090,35 +1114,71 @@ class RMSNorm {
       const W ri = r[static_cast<std::size_t>(i)];
       rt[static_cast<std::size_t>(i - g0)] = detail::normal_in<T>(ri) ? static_cast<T>(ri) : T(0);
     }
-    auto lanes = [&](const T* xb, const T* dyb, T* dxb, Index ld, const T* rb, Index active) {
-      const Packet pr = ploadu<Packet>(rb);
-      Packet sacc = pset1<Packet>(T(0));
-      for (Index j = 0; j < n; ++j) {
-        Packet gv = ploadu<Packet>(dyb + j * ld);
-        if (g) gv = pmul(gv, pset1<Packet>(g[j]));
-        sacc = pmadd(gv, ploadu<Packet>(xb + j * ld), sacc);
-      }
-      alignas(64) T sbuf[L], cb[L], mask[L];
-      pstoreu(sbuf, sacc);
+    // K packets of rows side by side (kBackwardLanePackets where they can);
+    // each lane's arithmetic is the same whatever K, and dwp[j] takes the
+    // packets' terms in lane order, so the same bits.
+    auto lanes = [&](auto k_c, const T* xb, const T* dyb, T* dxb, Index ld, const T* rb, Index active) {
+      constexpr int K = decltype(k_c)::value;
+      // Locals, not the captured references: Eigen's packet stores may
+      // alias anything, so the compiler would reload them after each store.
+      const Index nl = n;
+      const T* const gl = g;
+      double* const dwl = dwp;
+      Packet pr[K], sacc[K];
       NORMCORE_UNROLL
-      for (int l = 0; l < L; ++l) {
-        cb[l] = static_cast<T>(static_cast<double>(rb[l]) * static_cast<double>(sbuf[l]) / static_cast<double>(n));
+      for (int k = 0; k < K; ++k) {
+        pr[k] = ploadu<Packet>(rb + k * L);
+        sacc[k] = pset1<Packet>(T(0));
+      }
+      for (Index j = 0; j < nl; ++j) {
+        const Packet gmj = pset1<Packet>(gl ? gl[j] : T(1));
+        NORMCORE_UNROLL
+        for (int k = 0; k < K; ++k) {
+          Packet gv = ploadu<Packet>(dyb + j * ld + k * L);
+          if (gl) gv = pmul(gv, gmj);
+          sacc[k] = pmadd(gv, ploadu<Packet>(xb + j * ld + k * L), sacc[k]);
+        }
+      }
+      alignas(64) T sbuf[K * L], cb[K * L], mask[K * L];
+      NORMCORE_UNROLL
+      for (int k = 0; k < K; ++k) pstoreu(sbuf + k * L, sacc[k]);
+      for (int l = 0; l < K * L; ++l) {
+        cb[l] = static_cast<T>(static_cast<double>(rb[l]) * static_cast<double>(sbuf[l]) / static_cast<double>(nl));
         mask[l] = (l < active && rb[l] != T(0)) ? T(1) : T(0);
       }
-      const Packet pnc = pnegate(ploadu<Packet>(cb)), pm = ploadu<Packet>(mask);
-      for (Index j = 0; j < n; ++j) {
-        const Packet dyv = ploadu<Packet>(dyb + j * ld);
-        const Packet xh = pmul(ploadu<Packet>(xb + j * ld), pr);
-        if (dxb) {
-          const Packet gv = g ? pmul(dyv, pset1<Packet>(g[j])) : dyv;
-          pstoreu(dxb + j * ld, pmul(pr, pmadd(xh, pnc, gv)));  // as backward_rows
+      Packet pnc[K], pm[K];
+      NORMCORE_UNROLL
+      for (int k = 0; k < K; ++k) {
+        pnc[k] = pnegate(ploadu<Packet>(cb + k * L));
+        pm[k] = ploadu<Packet>(mask + k * L);
+      }
+      for (Index j = 0; j < nl; ++j) {
+        const Packet gmj = pset1<Packet>(gl ? gl[j] : T(1));
+        NORMCORE_UNROLL
+        for (int k = 0; k < K; ++k) {
+          const Packet dyv = ploadu<Packet>(dyb + j * ld + k * L);
+          const Packet xh = pmul(ploadu<Packet>(xb + j * ld + k * L), pr[k]);
+          if (dxb) {
+            const Packet gv = gl ? pmul(dyv, gmj) : dyv;
+            pstoreu(dxb + j * ld + k * L, pmul(pr[k], pmadd(xh, pnc[k], gv)));  // as backward_rows
+          }
+          if (dwl) dwl[j] += static_cast<double>(predux(pmul(pmul(dyv, pm[k]), xh)));
         }
-        if (dwp) dwp[j] += static_cast<double>(predux(pmul(pmul(dyv, pm), xh)));
       }
     };
+    constexpr int KP = kBackwardLanePackets;
     Index i0 = g0;
+    for (; i0 + KP * L <= g1; i0 += KP * L)
+      lanes(std::integral_constant<int, KP>(), xv.data + i0, dyp + i0, dx ? dx + i0 : nullptr, rows,
+            rt.data() + (i0 - g0), KP * L);
+    if (i0 + 2 * L <= g1) {  // (groups of 2 or 3 packets: every 16th of 512 rows)
+      lanes(std::integral_constant<int, 2>(), xv.data + i0, dyp + i0, dx ? dx + i0 : nullptr, rows,
+            rt.data() + (i0 - g0), 2 * L);
+      i0 += 2 * L;
+    }
     for (; i0 + L <= g1; i0 += L)
-      lanes(xv.data + i0, dyp + i0, dx ? dx + i0 : nullptr, rows, rt.data() + (i0 - g0), L);
+      lanes(std::integral_constant<int, 1>(), xv.data + i0, dyp + i0, dx ? dx + i0 : nullptr, rows,
+            rt.data() + (i0 - g0), L);
     if (i0 < g1) {
       const Index m = g1 - i0;
       std::vector<T> tmp(static_cast<std::size_t>(3 * L * n + L));
@@ -1128,7 +1188,7 @@ class RMSNorm {
       detail::gather_lanes(xv.data, rows, i0, m, n, Index(L), tx);
       detail::gather_lanes(dyp, rows, i0, m, n, Index(L), tdy);
       detail::gather_values(rt.data(), i0 - g0, m, Index(L), tdx + L * n);
-      lanes(tx, tdy, dx ? tdx : nullptr, L, tdx + L * n, m);
+      lanes(std::integral_constant<int, 1>(), tx, tdy, dx ? tdx : nullptr, L, tdx + L * n, m);
       if (dx) detail::scatter_lanes(tdx, rows, i0, m, n, Index(L), dx);
     }
     for (Index i = g0; i < g1; ++i)
