@@ -834,17 +834,10 @@ class LayerNorm {
         rstd[r0 + i] = k.rstd;
       }
     }
-    Index i0 = 0;
-    for (; i0 + kLanePackets * L <= m; i0 += kLanePackets * L) {
-      normalize_lanes<kLanePackets>(xv.data + r0 + i0, out + r0 + i0, rows, n, piv + i0, rs + i0, sh + i0, g, b);
-    }
-    if (i0 + 2 * L <= m) {
-      normalize_lanes<2>(xv.data + r0 + i0, out + r0 + i0, rows, n, piv + i0, rs + i0, sh + i0, g, b);
-      i0 += 2 * L;
-    }
-    for (; i0 + L <= m; i0 += L) {
-      normalize_lanes<1>(xv.data + r0 + i0, out + r0 + i0, rows, n, piv + i0, rs + i0, sh + i0, g, b);
-    }
+    const Index i0 = detail::for_lane_blocks<detail::kLanePackets>(0, m, L, [&](auto k_c, Index i) {
+      constexpr int K = decltype(k_c)::value;
+      normalize_lanes<K>(xv.data + r0 + i, out + r0 + i, rows, n, piv + i, rs + i, sh + i, g, b);
+    });
     if (i0 < m) {
       // Leftover rows go through the same packet code on a padded copy, so a
       // row's result never depends on where it sits in the batch.
@@ -862,12 +855,11 @@ class LayerNorm {
     }
   }
 
-  // ColMajor kernels take kLanePackets packets of rows side by side where
-  // they can: each feature's values of those rows are then one contiguous run.
-  static constexpr int kLanePackets = 4;
-  // The backward's (three sums a packet in its first pass): 4 with 32
-  // vector registers, else 2.
-  static constexpr int kBackwardLanePackets = EIGEN_ARCH_DEFAULT_NUMBER_OF_REGISTERS >= 32 ? 4 : 2;
+  // Packets of rows side by side in the ColMajor backward (three sums a
+  // packet in its first pass): detail::kLanePackets with 32 vector
+  // registers, else 2.
+  static constexpr int kBackwardLanePackets =
+      EIGEN_ARCH_DEFAULT_NUMBER_OF_REGISTERS >= 32 ? detail::kLanePackets : 2;
 
   // K packets of rows (lanes) of a ColMajor block with leading dimension ld;
   // each lane's arithmetic is the same whatever K.
@@ -1264,7 +1256,7 @@ class LayerNorm {
     // Full: the usual training call (dx, gamma, dweight and dbias, no dh),
     // its tests fixed at compile time; other calls test them per packet.
     const bool full = dx && gamma && !dh && dw && db;
-    const auto second = [&](auto rows_c, auto full_c, Index r, const detail::BackwardCoeffs<T>* c) {
+    const auto second_of = [&](auto rows_c, auto full_c, Index r, const detail::BackwardCoeffs<T>* c) {
       constexpr int R = decltype(rows_c)::value;
       constexpr bool F = decltype(full_c)::value;
       // Locals, not the captured references: the packet stores may alias
@@ -1343,24 +1335,20 @@ class LayerNorm {
         }
       }
     };
+    const auto second = [&](auto rows_c, Index r, const detail::BackwardCoeffs<T>* c) {
+      if (full) return second_of(rows_c, std::true_type(), r, c);
+      second_of(rows_c, std::false_type(), r, c);
+    };
     for (Index r0 = 0; r0 < rows;) {
       const Index r1 = std::min(rows, r0 + (kRowBlock - acc.rows));
       for (Index r = r0; r < r1;) {
         if (!ahead && r + 1 < r1) {  // rows in cache: two at a time
           const detail::BackwardCoeffs<T> c[2] = {coeffs(r), coeffs(r + 1)};
-          if (full) {
-            second(std::integral_constant<int, 2>(), std::true_type(), r, c);
-          } else {
-            second(std::integral_constant<int, 2>(), std::false_type(), r, c);
-          }
+          second(std::integral_constant<int, 2>(), r, c);
           r += 2;
         } else {
           const detail::BackwardCoeffs<T> c = coeffs(r);
-          if (full) {
-            second(std::integral_constant<int, 1>(), std::true_type(), r, &c);
-          } else {
-            second(std::integral_constant<int, 1>(), std::false_type(), r, &c);
-          }
+          second(std::integral_constant<int, 1>(), r, &c);
           ++r;
         }
       }
@@ -1376,20 +1364,10 @@ class LayerNorm {
                                 Index n, const T* mean, const T* rstd, const T* gamma, double* dw,
                                 double* db) {
     constexpr int L = detail::simd<T>::L;
-    constexpr int K = kBackwardLanePackets;
-    for (; r0 + K * L <= r1; r0 += K * L) {
-      backward_lanes<K>(x + r0, dy + r0, dx ? dx + r0 : nullptr, rows, n, mean + r0, rstd + r0, gamma,
-                        dw, db, K * L);
-    }
-    if (K > 2 && r0 + 2 * L <= r1) {  // (groups of 2 or 3 packets: every 16th of 512 rows)
-      backward_lanes<2>(x + r0, dy + r0, dx ? dx + r0 : nullptr, rows, n, mean + r0, rstd + r0, gamma,
-                        dw, db, 2 * L);
-      r0 += 2 * L;
-    }
-    for (; r0 + L <= r1; r0 += L) {
-      backward_lanes<1>(x + r0, dy + r0, dx ? dx + r0 : nullptr, rows, n, mean + r0, rstd + r0, gamma,
-                        dw, db, L);
-    }
+    r0 = detail::for_lane_blocks<kBackwardLanePackets>(r0, r1, L, [&](auto k_c, Index i) {
+      constexpr int K = decltype(k_c)::value;
+      backward_lanes<K>(x + i, dy + i, dx ? dx + i : nullptr, rows, n, mean + i, rstd + i, gamma, dw, db, K * L);
+    });
     if (r0 < r1) {
       // Leftover rows: the same packet code on a padded copy (see forward).
       // Padding lanes repeat a real row and are masked out of dw/db.

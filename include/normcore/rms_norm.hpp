@@ -263,9 +263,6 @@ class RMSNorm {
  private:
   static constexpr const char* kWho = "normcore::RMSNorm";
   static constexpr Index kRowBlock = 64;
-  // Packets of rows the ColMajor kernels take side by side where they can.
-  static constexpr int kLanePackets = 4;
-  static constexpr int kBackwardLanePackets = 4;
   static constexpr Index kGroups = 16;
   using W = detail::rstd_t<T>;  // rstd before rounding to T
 
@@ -441,8 +438,8 @@ class RMSNorm {
           const W ri = r[static_cast<std::size_t>(i)];
           rt[static_cast<std::size_t>(i - r0)] = detail::normal_in<T>(ri) ? static_cast<T>(ri) : T(0);
         }
-        // K packets of rows side by side (kLanePackets where they can, as
-        // LayerNorm's ColMajor kernels); each lane's arithmetic is the same.
+        // K packets of rows side by side (detail::for_lane_blocks); each
+        // lane's arithmetic is the same whatever K.
         auto lanes = [&](auto k_c, const T* xb, T* yb, Index ld, const T* rb) {
           constexpr int K = decltype(k_c)::value;
           const Index nl = n;  // locals: the packet stores may alias anything
@@ -462,16 +459,9 @@ class RMSNorm {
             }
           }
         };
-        constexpr int KP = kLanePackets;
-        Index i0 = r0;
-        for (; i0 + KP * L <= r1; i0 += KP * L)
-          lanes(std::integral_constant<int, KP>(), xv.data + i0, out + i0, rows, rt.data() + (i0 - r0));
-        if (i0 + 2 * L <= r1) {
-          lanes(std::integral_constant<int, 2>(), xv.data + i0, out + i0, rows, rt.data() + (i0 - r0));
-          i0 += 2 * L;
-        }
-        for (; i0 + L <= r1; i0 += L)
-          lanes(std::integral_constant<int, 1>(), xv.data + i0, out + i0, rows, rt.data() + (i0 - r0));
+        const Index i0 = detail::for_lane_blocks<detail::kLanePackets>(r0, r1, L, [&](auto k_c, Index i) {
+          lanes(k_c, xv.data + i, out + i, rows, rt.data() + (i - r0));
+        });
         if (i0 < r1) {
           const Index m = r1 - i0;
           std::vector<T> tmp(static_cast<std::size_t>(2 * L * n + L));
@@ -1114,8 +1104,8 @@ class RMSNorm {
       const W ri = r[static_cast<std::size_t>(i)];
       rt[static_cast<std::size_t>(i - g0)] = detail::normal_in<T>(ri) ? static_cast<T>(ri) : T(0);
     }
-    // K packets of rows side by side (kBackwardLanePackets where they can);
-    // each lane's arithmetic is the same whatever K, and dwp[j] takes the
+    // K packets of rows side by side (detail::for_lane_blocks); each lane's
+    // arithmetic is the same whatever K, and dwp[j] takes the
     // packets' terms in lane order, so the same bits.
     auto lanes = [&](auto k_c, const T* xb, const T* dyb, T* dxb, Index ld, const T* rb, Index active) {
       constexpr int K = decltype(k_c)::value;
@@ -1166,19 +1156,10 @@ class RMSNorm {
         }
       }
     };
-    constexpr int KP = kBackwardLanePackets;
-    Index i0 = g0;
-    for (; i0 + KP * L <= g1; i0 += KP * L)
-      lanes(std::integral_constant<int, KP>(), xv.data + i0, dyp + i0, dx ? dx + i0 : nullptr, rows,
-            rt.data() + (i0 - g0), KP * L);
-    if (i0 + 2 * L <= g1) {  // (groups of 2 or 3 packets: every 16th of 512 rows)
-      lanes(std::integral_constant<int, 2>(), xv.data + i0, dyp + i0, dx ? dx + i0 : nullptr, rows,
-            rt.data() + (i0 - g0), 2 * L);
-      i0 += 2 * L;
-    }
-    for (; i0 + L <= g1; i0 += L)
-      lanes(std::integral_constant<int, 1>(), xv.data + i0, dyp + i0, dx ? dx + i0 : nullptr, rows,
-            rt.data() + (i0 - g0), L);
+    const Index i0 = detail::for_lane_blocks<detail::kLanePackets>(g0, g1, L, [&](auto k_c, Index i) {
+      constexpr int K = decltype(k_c)::value;
+      lanes(k_c, xv.data + i, dyp + i, dx ? dx + i : nullptr, rows, rt.data() + (i - g0), K * L);
+    });
     if (i0 < g1) {
       const Index m = g1 - i0;
       std::vector<T> tmp(static_cast<std::size_t>(3 * L * n + L));

@@ -6,12 +6,37 @@
 #pragma once
 
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
 #include "normcore/statistics.hpp"
 
 namespace normcore {
 namespace detail {
+
+/// Packets of rows a ColMajor kernel takes side by side where it can: each
+/// feature's values of those rows are then one contiguous run instead of one
+/// line per stride of the leading dimension.
+constexpr int kLanePackets = 4;
+
+/// Walks rows [i0, i1) in blocks of K packets of L rows: as many blocks of
+/// KMax packets as fit, then one of 2 (when KMax > 2), then single packets,
+/// calling f(std::integral_constant<int, K>(), i) for the block at row i.
+/// Returns the first row left over (fewer than L, for the padded copy). A
+/// kernel whose lanes compute alike whatever K gives the same bits for any
+/// row count.
+template <int KMax, typename F>
+Index for_lane_blocks(Index i0, Index i1, Index L, F&& f) {
+  for (; i0 + KMax * L <= i1; i0 += KMax * L) f(std::integral_constant<int, KMax>(), i0);
+  if constexpr (KMax > 2) {
+    if (i0 + 2 * L <= i1) {
+      f(std::integral_constant<int, 2>(), i0);
+      i0 += 2 * L;
+    }
+  }
+  for (; i0 + L <= i1; i0 += L) f(std::integral_constant<int, 1>(), i0);
+  return i0;
+}
 
 /// Copies rows r0..r0+m of an n-feature ColMajor block (leading dim ld) into
 /// dst (leading dim L), repeating the last real row into the padding lanes.
