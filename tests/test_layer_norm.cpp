@@ -293,6 +293,49 @@ TYPED_TEST(LayerNormTest, ColMajorPacketBlocksBitForBit) {
   check_against_reference<T, Eigen::ColMajor>(700, 40, 43, 0.5);
 }
 
+// ColMajor inputs of detail::kStreamingBytes or more write y with
+// streaming stores (detail::can_stream_colmajor; the threshold set to that
+// gate so that they do on any CPU), and a backward without saved
+// statistics takes them for all of a part's rows at once, as the forward
+// does. Rows of such an input, and long rows (600 features: three chunks
+// of detail::kChunk in the lane statistics), must give the bits of the row
+// alone, and the reference (check_against_reference: its backward without
+// saved statistics must match the one with them bit for bit).
+TYPED_TEST(LayerNormTest, ColMajorLargeInputsAndLongRowsBitForBit) {
+  using T = TypeParam;
+  normcore::set_forward_stream_threshold(normcore::detail::kStreamingBytes);
+  const Index big_rows = 4096;
+  const Index big_n = normcore::detail::kStreamingBytes / (big_rows * Index(sizeof(T))) + 1;
+  for (const auto& [rows, n] : {std::pair<Index, Index>(1130, 600), std::pair<Index, Index>(big_rows, big_n)}) {
+    SCOPED_TRACE(::testing::Message() << rows << "x" << n);
+    LayerNorm<T> ln(LayerNormOptions({n}));
+    randomize_params(ln, 9);
+    const auto xl = randn<T>(static_cast<std::size_t>(rows * n), 20, 3.0, 2.0);
+    const auto dyl = randn<T>(static_cast<std::size_t>(rows * n), 21);
+    const auto xc = to_colmajor(xl, rows, n), dyc = to_colmajor(dyl, rows, n);
+    MapC<T, Eigen::ColMajor> x(xc.data(), rows, n), dy(dyc.data(), rows, n);
+    const Mat<T, Eigen::ColMajor> y = ln(x);
+    Mat<T, Eigen::ColMajor> dx(rows, n);
+    ln.backward(x, dy, &dx, nullptr, nullptr);
+    std::vector<Index> picks;  // every 37th row and the last
+    for (Index i = 0; i < rows; i += 37) picks.push_back(i);
+    picks.push_back(rows - 1);
+    for (const Index i : picks) {
+      MapC<T, Eigen::ColMajor> x1(xl.data() + i * n, 1, n), dy1(dyl.data() + i * n, 1, n);
+      const Mat<T, Eigen::ColMajor> y1 = ln(x1);
+      Mat<T, Eigen::ColMajor> dx1(1, n);
+      ln.backward(x1, dy1, &dx1, nullptr, nullptr);
+      for (Index j = 0; j < n; ++j) {
+        ASSERT_EQ(std::memcmp(&y1(0, j), &y(i, j), sizeof(T)), 0) << "y, row " << i << " j=" << j;
+        ASSERT_EQ(std::memcmp(&dx1(0, j), &dx(i, j), sizeof(T)), 0) << "dx, row " << i << " j=" << j;
+      }
+    }
+  }
+  check_against_reference<T, Eigen::ColMajor>(1130, 600, 51, 0.5);
+  check_against_reference<T, Eigen::ColMajor>(big_rows, big_n, 53, 0.5);
+  normcore::set_forward_stream_threshold(-1);
+}
+
 // Fewer rows than one block of the parameter sums (64) write dweight and
 // dbias straight from their T sums; more rows go through the double group
 // sums. Rows of dy = 0 added after the real ones change no sum (x + 0 = x,

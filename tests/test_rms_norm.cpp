@@ -448,6 +448,48 @@ TYPED_TEST(RMSNormTest, ColMajorPacketBlocksBitForBit) {
   }
 }
 
+// ColMajor inputs of detail::kStreamingBytes or more write y with
+// streaming stores (the threshold set to that gate so that they do on any
+// CPU); the lane sums of squares go a tile of features at a time in blocks
+// of up to detail::kRegisterLanePackets packets of rows. Rows of such an
+// input and long rows (600 features: three chunks of detail::kChunk) must
+// give the bits of the row alone (forward, and a backward without saved
+// statistics, which sums them again), and the reference.
+TYPED_TEST(RMSNormTest, ColMajorLargeInputsAndLongRowsBitForBit) {
+  using T = TypeParam;
+  normcore::set_forward_stream_threshold(normcore::detail::kStreamingBytes);
+  const Index big_rows = 4096;
+  const Index big_n = normcore::detail::kStreamingBytes / (big_rows * Index(sizeof(T))) + 1;
+  for (const auto& [rows, n] : {std::pair<Index, Index>(1130, 600), std::pair<Index, Index>(big_rows, big_n)}) {
+    SCOPED_TRACE(::testing::Message() << rows << "x" << n);
+    RMSNorm<T> rn(RMSNormOptions({n}));
+    const auto gv = randn<T>(static_cast<std::size_t>(n), 7, 1.0, 0.5);
+    std::copy(gv.begin(), gv.end(), rn.weight().data());
+    const auto xl = randn<T>(static_cast<std::size_t>(rows * n), 22, 0.5, 2.0);
+    const auto dyl = randn<T>(static_cast<std::size_t>(rows * n), 23);
+    const auto xc = to_colmajor(xl, rows, n), dyc = to_colmajor(dyl, rows, n);
+    Eigen::TensorMap<const Eigen::Tensor<T, 2, Eigen::ColMajor>> x(xc.data(), rows, n), dy(dyc.data(), rows, n);
+    const Eigen::Tensor<T, 2, Eigen::ColMajor> y = rn(x);
+    const auto g = rn.backward(x, dy);
+    std::vector<Index> picks;  // every 37th row and the last
+    for (Index i = 0; i < rows; i += 37) picks.push_back(i);
+    picks.push_back(rows - 1);
+    for (const Index i : picks) {
+      Eigen::TensorMap<const Eigen::Tensor<T, 2, Eigen::ColMajor>> x1(xl.data() + i * n, 1, n),
+          dy1(dyl.data() + i * n, 1, n);
+      const Eigen::Tensor<T, 2, Eigen::ColMajor> y1 = rn(x1);
+      const auto g1 = rn.backward(x1, dy1);
+      for (Index j = 0; j < n; ++j) {
+        ASSERT_EQ(std::memcmp(&y(i, j), &y1(0, j), sizeof(T)), 0) << "y, row " << i << " j=" << j;
+        ASSERT_EQ(std::memcmp(&g.dx(i, j), &g1.dx(0, j), sizeof(T)), 0) << "dx, row " << i << " j=" << j;
+      }
+    }
+  }
+  check_rms<T, Eigen::ColMajor>(1130, 600, 41, 1.0);
+  check_rms<T, Eigen::ColMajor>(big_rows, big_n, 43, 1.0);
+  normcore::set_forward_stream_threshold(-1);
+}
+
 TYPED_TEST(RMSNormTest, BatchIndependenceBitForBit) {
   using T = TypeParam;
   // n = 100: short rows, grouped by packet lanes, and in the forward up to

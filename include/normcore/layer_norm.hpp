@@ -811,14 +811,7 @@ class LayerNorm {
                         Index r1, const T* g, const T* b) const {
     constexpr int L = detail::simd<T>::L;
     const Index rows = xv.rows, n = xv.cols, m = r1 - r0;
-    std::vector<Welford<double>> w(static_cast<std::size_t>(m));
-    // Pivot of each row: its first feature, data[r].
-    lane_moments(xv.data + r0, rows, n, m, xv.data + r0, w.data());
-    for (Index i = 0; i < m; ++i) {
-      auto& wi = w[static_cast<std::size_t>(i)];
-      if (detail::needs_exact_moments(wi, xv.data + r0 + i, n, rows, options_.eps()))
-        wi = exact_moments(xv.data + r0 + i, n, rows, xv.data[r0 + i]);
-    }
+    const std::vector<Welford<double>> w = colmajor_moments(xv, r0, r1);
     std::vector<T> coef(static_cast<std::size_t>(3 * m));
     T* piv = coef.data();
     T* rs = piv + m;
@@ -834,10 +827,15 @@ class LayerNorm {
         rstd[r0 + i] = k.rstd;
       }
     }
+    const bool stream = detail::can_stream_colmajor(xv.data, out, rows, n);
     const Index i0 = detail::for_lane_blocks<detail::kLanePackets>(0, m, L, [&](auto k_c, Index i) {
       constexpr int K = decltype(k_c)::value;
-      normalize_lanes<K>(xv.data + r0 + i, out + r0 + i, rows, n, piv + i, rs + i, sh + i, g, b);
+      if (stream)
+        normalize_lanes<K, true>(xv.data + r0 + i, out + r0 + i, rows, n, piv + i, rs + i, sh + i, g, b);
+      else
+        normalize_lanes<K, false>(xv.data + r0 + i, out + r0 + i, rows, n, piv + i, rs + i, sh + i, g, b);
     });
+    if (stream) detail::stream_fence();
     if (i0 < m) {
       // Leftover rows go through the same packet code on a padded copy, so a
       // row's result never depends on where it sits in the batch.
@@ -850,7 +848,7 @@ class LayerNorm {
       detail::gather_values(piv, i0, k, Index(L), tc);
       detail::gather_values(rs, i0, k, Index(L), tc + L);
       detail::gather_values(sh, i0, k, Index(L), tc + 2 * L);
-      normalize_lanes<1>(tx, ty, L, n, tc, tc + L, tc + 2 * L, g, b);
+      normalize_lanes<1, false>(tx, ty, L, n, tc, tc + L, tc + 2 * L, g, b);
       detail::scatter_lanes(ty, rows, r0 + i0, k, n, Index(L), out);
     }
   }
@@ -862,8 +860,9 @@ class LayerNorm {
       EIGEN_ARCH_DEFAULT_NUMBER_OF_REGISTERS >= 32 ? detail::kLanePackets : 2;
 
   // K packets of rows (lanes) of a ColMajor block with leading dimension ld;
-  // each lane's arithmetic is the same whatever K.
-  template <int K>
+  // each lane's arithmetic is the same whatever K. Stream: streaming stores
+  // (detail::can_stream_colmajor).
+  template <int K, bool Stream>
   static void normalize_lanes(const T* x, T* out, Index ld, Index n, const T* piv, const T* rs,
                               const T* sh, const T* gamma, const T* beta) {
     using namespace Eigen::internal;
@@ -884,7 +883,7 @@ class LayerNorm {
       for (int k = 0; k < K; ++k) {
         Packet v = pmadd(psub(ploadu<Packet>(xj + k * L), pp[k]), pr[k], pc[k]);
         if (gamma) v = beta ? pmadd(v, gj, bj) : pmul(v, gj);
-        pstoreu(oj + k * L, v);
+        detail::store_packet<Stream>(oj + k * L, v);
       }
     }
   }
@@ -929,6 +928,12 @@ class LayerNorm {
       T* sr = stat.data() + rows;
       detail::run_parts(device, parts, [&](Index p) {
         const Index r0 = gsplit.begin(psplit.begin(p)), r1 = gsplit.begin(psplit.begin(p + 1));
+        if constexpr (!wide) {
+          if (!xv.row_major) {
+            colmajor_stats(xv, r0, r1, sm, sr);
+            return;
+          }
+        }
         std::vector<T> row;  // 16-bit rows widened when row_coeffs asks for them
         detail::CoeffGroup<T> k;
         for (Index r = r0; r < r1;) {
@@ -945,18 +950,9 @@ class LayerNorm {
             } else {
               row_coeffs(widened(0, 1), n, 1, k);
             }
-          } else if (xv.row_major) {
+          } else {
             m = std::min(kCoeffGroup, r1 - r);
             row_coeffs(xv.data + r * n, n, m, k);
-          } else {
-            const T piv = xv.data[r];
-            Welford<double> w;
-            lane_moments(xv.data + r, rows, n, Index(1), &piv, &w);
-            if (detail::needs_exact_moments(w, xv.data + r, n, rows, options_.eps()))
-              w = exact_moments(xv.data + r, n, rows, piv);
-            const auto c = detail::norm_coeffs<T>(piv, w.mean(), w.variance(), options_.eps());
-            k.mean[0] = c.mean;
-            k.rstd[0] = c.rstd;
           }
           for (Index i = 0; i < m; ++i, ++r) {
             sm[r] = k.mean[i];
@@ -1045,6 +1041,36 @@ class LayerNorm {
   }
 
   static constexpr Index kGroups = 16;
+
+  // The moments of ColMajor rows [r0, r1), each shifted by its first
+  // value (the pivot, data[r]): all at once, lane by lane (lane_moments;
+  // a row's moments do not depend on the rows beside it), with the exact
+  // path for the rows detail::needs_exact_moments picks.
+  std::vector<Welford<double>> colmajor_moments(const detail::Matrix2D<T>& xv, Index r0, Index r1) const {
+    const Index m = r1 - r0, rows = xv.rows, n = xv.cols;
+    std::vector<Welford<double>> w(static_cast<std::size_t>(m));
+    lane_moments(xv.data + r0, rows, n, m, xv.data + r0, w.data());
+    for (Index i = 0; i < m; ++i) {
+      auto& wi = w[static_cast<std::size_t>(i)];
+      const T* xr = xv.data + r0 + i;
+      if (detail::needs_exact_moments(wi, xr, n, rows, options_.eps())) wi = exact_moments(xr, n, rows, xr[0]);
+    }
+    return w;
+  }
+
+  // The backward's statistics of ColMajor rows [r0, r1) when none were
+  // saved, as forward_colmajor computes them. (Row by row, each row read
+  // one value per stride, this took 7x the time of the rest of the
+  // backward at 4096x1024.)
+  void colmajor_stats(const detail::Matrix2D<T>& xv, Index r0, Index r1, T* mean, T* rstd) const {
+    const std::vector<Welford<double>> w = colmajor_moments(xv, r0, r1);
+    for (Index i = r0; i < r1; ++i) {
+      const auto& wi = w[static_cast<std::size_t>(i - r0)];
+      const auto c = detail::norm_coeffs<T>(xv.data[i], wi.mean(), wi.variance(), options_.eps());
+      mean[i] = c.mean;
+      rstd[i] = c.rstd;
+    }
+  }
 
   // Rows of n contiguous values. For each row, with d = x - mean_saved and
   // g = dy * gamma, one pass sums g, g*d and d; delta = sum(d)/n corrects the

@@ -273,8 +273,9 @@ class RMSNorm {
     using Packet = typename detail::simd<T>::Packet;
     constexpr int L = detail::simd<T>::L;
     const Index rows = xv.rows, n = xv.cols;
-    // A packet of rows at a time, sequential in T within chunks of kChunk
-    // features, chunks added in double. Leftover rows padded.
+    // The sums of squares of one packet of rows (leftover rows, padded):
+    // sequential in T within chunks of kChunk features, chunks added in
+    // double.
     auto lanes = [&](const T* x, Index ld, double* out) {
       for (int l = 0; l < L; ++l) out[l] = 0;
       for (Index j0 = 0; j0 < n; j0 += detail::kChunk) {
@@ -289,13 +290,54 @@ class RMSNorm {
         for (int l = 0; l < L; ++l) out[l] += static_cast<double>(tmp[l]);
       }
     };
-    double ss[L];
-    Index i0 = r0;
-    for (; i0 + L <= r1; i0 += L) {
-      lanes(xv.data + i0, rows, ss);
-      for (int l = 0; l < L; ++l) r[i0 + l] = detail::rms_rstd(xv.data + i0 + l, n, rows, ss[l], eps_);
+    const Index i0 = r0 + (r1 - r0) / L * L;
+    if (i0 > r0) {
+      // The whole packets of rows: each lane's sums exactly as `lanes`
+      // takes them (a chunk's FMAs in feature order, chunks added in
+      // double), in blocks of up to detail::kRegisterLanePackets packets
+      // whose sums stay in registers for a tile of features
+      // (detail::kLaneTileBytes, at least 4), then the next block, then the
+      // next tile: each feature's values of those rows are read front to
+      // back, a tile at a time.
+      const Index m = i0 - r0;
+      constexpr Index kBlock = Index(detail::kRegisterLanePackets) * L;
+      const Index tile = m > kBlock ? std::max<Index>(4, detail::kLaneTileBytes / (m * Index(sizeof(T))))
+                                    : Index(detail::kChunk);
+      std::vector<T> acc(static_cast<std::size_t>(m));
+      std::vector<double> sum(static_cast<std::size_t>(m), 0.0);
+      for (Index j0 = 0; j0 < n; j0 += detail::kChunk) {
+        const Index j1 = std::min<Index>(n, j0 + detail::kChunk);
+        std::fill(acc.begin(), acc.end(), T(0));
+        for (Index t0 = j0; t0 < j1; t0 += tile) {
+          const Index t1 = std::min(j1, t0 + tile);
+          for (Index c0 = 0; c0 < m; c0 += kBlock) {
+            const int np = static_cast<int>(std::min(kBlock, m - c0) / L);
+            detail::with_register_packets(np, [&](auto k_c) {
+              constexpr int K = decltype(k_c)::value;
+              const T* xb = xv.data + r0 + c0;
+              Packet a[K];
+              NORMCORE_UNROLL
+              for (int k = 0; k < K; ++k) a[k] = ploadu<Packet>(acc.data() + c0 + k * L);
+              for (Index j = t0; j < t1; ++j) {
+                NORMCORE_UNROLL
+                for (int k = 0; k < K; ++k) {
+                  const Packet v = ploadu<Packet>(xb + j * rows + k * L);
+                  a[k] = pmadd(v, v, a[k]);
+                }
+              }
+              NORMCORE_UNROLL
+              for (int k = 0; k < K; ++k) pstoreu(acc.data() + c0 + k * L, a[k]);
+            });
+          }
+        }
+        for (Index l = 0; l < m; ++l)
+          sum[static_cast<std::size_t>(l)] += static_cast<double>(acc[static_cast<std::size_t>(l)]);
+      }
+      for (Index l = 0; l < m; ++l)
+        r[r0 + l] = detail::rms_rstd(xv.data + r0 + l, n, rows, sum[static_cast<std::size_t>(l)], eps_);
     }
     if (i0 < r1) {
+      double ss[L];
       const Index m = r1 - i0;
       std::vector<T> tx(static_cast<std::size_t>(L * n));
       detail::gather_lanes(xv.data, rows, i0, m, n, Index(L), tx.data());
@@ -418,6 +460,7 @@ class RMSNorm {
                                          static_cast<const T*>(nullptr), n);
       const T* g = pv.gamma;
       std::vector<W> r(static_cast<std::size_t>(rows));
+      const bool stream = detail::can_stream_colmajor(xv.data, out, rows, n);
       // Rows whose rstd is not a normal T: exact scalar path in long double.
       auto exact_row = [&](Index i) {
         const W ri = r[static_cast<std::size_t>(i)];
@@ -439,8 +482,9 @@ class RMSNorm {
           rt[static_cast<std::size_t>(i - r0)] = detail::normal_in<T>(ri) ? static_cast<T>(ri) : T(0);
         }
         // K packets of rows side by side (detail::for_lane_blocks); each
-        // lane's arithmetic is the same whatever K.
-        auto lanes = [&](auto k_c, const T* xb, T* yb, Index ld, const T* rb) {
+        // lane's arithmetic is the same whatever K. s_c: streaming stores
+        // (detail::can_stream_colmajor).
+        auto lanes = [&](auto k_c, auto s_c, const T* xb, T* yb, Index ld, const T* rb) {
           constexpr int K = decltype(k_c)::value;
           const Index nl = n;  // locals: the packet stores may alias anything
           const T* const gl = g;
@@ -455,19 +499,24 @@ class RMSNorm {
             for (int k = 0; k < K; ++k) {
               Packet v = pmul(ploadu<Packet>(xj + k * L), pr[k]);
               if (gl) v = pmul(v, gj);
-              pstoreu(yj + k * L, v);
+              detail::store_packet<decltype(s_c)::value>(yj + k * L, v);
             }
           }
         };
         const Index i0 = detail::for_lane_blocks<detail::kLanePackets>(r0, r1, L, [&](auto k_c, Index i) {
-          lanes(k_c, xv.data + i, out + i, rows, rt.data() + (i - r0));
+          if (stream)
+            lanes(k_c, std::true_type(), xv.data + i, out + i, rows, rt.data() + (i - r0));
+          else
+            lanes(k_c, std::false_type(), xv.data + i, out + i, rows, rt.data() + (i - r0));
         });
+        if (stream) detail::stream_fence();  // before the padded rows' and exact rows' stores
         if (i0 < r1) {
           const Index m = r1 - i0;
           std::vector<T> tmp(static_cast<std::size_t>(2 * L * n + L));
           detail::gather_lanes(xv.data, rows, i0, m, n, Index(L), tmp.data());
           detail::gather_values(rt.data(), i0 - r0, m, Index(L), tmp.data() + 2 * L * n);
-          lanes(std::integral_constant<int, 1>(), tmp.data(), tmp.data() + L * n, L, tmp.data() + 2 * L * n);
+          lanes(std::integral_constant<int, 1>(), std::false_type(), tmp.data(), tmp.data() + L * n, L,
+                tmp.data() + 2 * L * n);
           detail::scatter_lanes(tmp.data() + L * n, rows, i0, m, n, Index(L), out);
         }
         for (Index i = r0; i < r1; ++i)

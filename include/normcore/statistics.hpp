@@ -594,10 +594,11 @@ inline std::atomic<Index>& forward_stream_setting() {
 
 }  // namespace detail
 
-/// The size of input (bytes) from which the row-wise forwards (LayerNorm,
-/// RMSNorm) write y with streaming (non-temporal) stores, on x86: inputs
-/// stored as float or double, row-major, when y is aligned to a packet,
-/// every row is whole packets and y does not overlap x. Inputs under
+/// The size of input (bytes) from which the LayerNorm and RMSNorm forwards
+/// write y with streaming (non-temporal) stores, on x86: inputs stored as
+/// float or double, when y is aligned to a packet, every row (RowMajor) or
+/// every feature's column (ColMajor) is whole packets and y does not
+/// overlap x. Inputs under
 /// detail::kStreamingBytes (12 MiB) never stream, whatever the threshold
 /// (the forwards take them to be cached). Default: 12 MiB; with the Intel
 /// path choices, a sixteenth of the L3 cache the OS reports when that is
