@@ -266,7 +266,7 @@ class RMSNorm {
   static constexpr Index kGroups = 16;
   using W = detail::rstd_t<T>;  // rstd before rounding to T
 
-  /// rstd of ColMajor rows [r0, r1) into r[r0..r1), in W (exact
+  /// rstd of ColMajor rows [r0, r1) into r[0..r1 - r0), in W (exact
   /// path for extreme rows); r0 is a multiple of the packet size.
   void lane_rstd(const detail::Matrix2D<T>& xv, Index r0, Index r1, W* r) const {
     using namespace Eigen::internal;
@@ -334,7 +334,7 @@ class RMSNorm {
           sum[static_cast<std::size_t>(l)] += static_cast<double>(acc[static_cast<std::size_t>(l)]);
       }
       for (Index l = 0; l < m; ++l)
-        r[r0 + l] = detail::rms_rstd(xv.data + r0 + l, n, rows, sum[static_cast<std::size_t>(l)], eps_);
+        r[l] = detail::rms_rstd(xv.data + r0 + l, n, rows, sum[static_cast<std::size_t>(l)], eps_);
     }
     if (i0 < r1) {
       double ss[L];
@@ -342,7 +342,7 @@ class RMSNorm {
       std::vector<T> tx(static_cast<std::size_t>(L * n));
       detail::gather_lanes(xv.data, rows, i0, m, n, Index(L), tx.data());
       lanes(tx.data(), L, ss);
-      for (Index l = 0; l < m; ++l) r[i0 + l] = detail::rms_rstd(xv.data + i0 + l, n, rows, ss[l], eps_);
+      for (Index l = 0; l < m; ++l) r[i0 - r0 + l] = detail::rms_rstd(xv.data + i0 + l, n, rows, ss[l], eps_);
     }
   }
 
@@ -472,7 +472,7 @@ class RMSNorm {
       };
       detail::run_parts(device, parts, [&](Index p) {
         const Index r0 = split.begin(p), r1 = split.begin(p + 1);
-        lane_rstd(xv, r0, r1, r.data());
+        lane_rstd(xv, r0, r1, r.data() + r0);
         if (rsave)
           for (Index i = r0; i < r1; ++i) rsave[i] = static_cast<T>(r[static_cast<std::size_t>(i)]);
         // Packets of rows; leftover rows padded; abnormal rows redone.
@@ -1117,24 +1117,26 @@ class RMSNorm {
     using Packet = typename detail::simd<T>::Packet;
     constexpr int L = detail::simd<T>::L;
     const Index rows = xv.rows, n = xv.cols;
-    std::vector<W> r(static_cast<std::size_t>(rows));
+    // The group's rstd (row i at rg[i - g0]).
+    std::vector<W> rg(static_cast<std::size_t>(g1 - g0));
+    const auto r_of = [&](Index i) -> W& { return rg[static_cast<std::size_t>(i - g0)]; };
     if (saved) {
       bool any = false;
       for (Index i = g0; i < g1; ++i) {
-        r[static_cast<std::size_t>(i)] = saved->rstd(i);
-        any = any || !detail::normal_in<T>(r[static_cast<std::size_t>(i)]);
+        r_of(i) = saved->rstd(i);
+        any = any || !detail::normal_in<T>(r_of(i));
       }
       if (any) {
-        std::vector<W> full(static_cast<std::size_t>(rows));
+        std::vector<W> full(static_cast<std::size_t>(g1 - g0));
         lane_rstd(xv, g0, g1, full.data());
         for (Index i = g0; i < g1; ++i)
-          if (!detail::normal_in<T>(r[static_cast<std::size_t>(i)])) r[static_cast<std::size_t>(i)] = full[static_cast<std::size_t>(i)];
+          if (!detail::normal_in<T>(r_of(i))) r_of(i) = full[static_cast<std::size_t>(i - g0)];
       }
     } else {
-      lane_rstd(xv, g0, g1, r.data());
+      lane_rstd(xv, g0, g1, rg.data());
     }
     auto exact_row = [&](Index i) {
-      const W ri = r[static_cast<std::size_t>(i)];
+      const W ri = r_of(i);
       long double sgx = 0;
       for (Index j = 0; j < n; ++j) {
         const long double gj = static_cast<long double>(dyp[i + j * rows]) * (g ? static_cast<long double>(g[j]) : 1.0L);
@@ -1150,7 +1152,7 @@ class RMSNorm {
     };
     std::vector<T> rt(static_cast<std::size_t>(g1 - g0));
     for (Index i = g0; i < g1; ++i) {
-      const W ri = r[static_cast<std::size_t>(i)];
+      const W ri = r_of(i);
       rt[static_cast<std::size_t>(i - g0)] = detail::normal_in<T>(ri) ? static_cast<T>(ri) : T(0);
     }
     // K packets of rows side by side (detail::for_lane_blocks); each lane's
@@ -1222,7 +1224,7 @@ class RMSNorm {
       if (dx) detail::scatter_lanes(tdx, rows, i0, m, n, Index(L), dx);
     }
     for (Index i = g0; i < g1; ++i)
-      if (!detail::normal_in<T>(r[static_cast<std::size_t>(i)])) exact_row(i);
+      if (!detail::normal_in<T>(r_of(i))) exact_row(i);
   }
 
   RMSNormOptions options_;
