@@ -256,6 +256,35 @@ TYPED_TEST(LayerNormTest, BatchSizeIndependenceBitForBit) {
   }
 }
 
+// The picked rows of a ColMajor batch of `rows` random rows (x from seed,
+// dy from seed + 1): y and dx (without saved statistics) the same bits as
+// each row normalized alone.
+template <typename T>
+void colmajor_rows_match_alone(const LayerNorm<T>& ln, Index rows, unsigned seed, const std::vector<Index>& picks,
+                               bool streams = false) {
+  const Index n = ln.normalized_size();
+  const auto xl = randn<T>(static_cast<std::size_t>(rows * n), seed, 3.0, 2.0);
+  const auto dyl = randn<T>(static_cast<std::size_t>(rows * n), seed + 1);
+  const auto xc = to_colmajor(xl, rows, n), dyc = to_colmajor(dyl, rows, n);
+  MapC<T, Eigen::ColMajor> x(xc.data(), rows, n), dy(dyc.data(), rows, n);
+  const Mat<T, Eigen::ColMajor> y = ln(x);
+  if (streams) {
+    ASSERT_TRUE(normcore::detail::can_stream_colmajor(xc.data(), y.data(), rows, n));
+  }
+  Mat<T, Eigen::ColMajor> dx(rows, n);
+  ln.backward(x, dy, &dx, nullptr, nullptr);
+  for (const Index i : picks) {
+    MapC<T, Eigen::ColMajor> x1(xl.data() + i * n, 1, n), dy1(dyl.data() + i * n, 1, n);
+    const Mat<T, Eigen::ColMajor> y1 = ln(x1);
+    Mat<T, Eigen::ColMajor> dx1(1, n);
+    ln.backward(x1, dy1, &dx1, nullptr, nullptr);
+    for (Index j = 0; j < n; ++j) {
+      ASSERT_EQ(std::memcmp(&y1(0, j), &y(i, j), sizeof(T)), 0) << "y, row " << i << " j=" << j;
+      ASSERT_EQ(std::memcmp(&dx1(0, j), &dx(i, j), sizeof(T)), 0) << "dx, row " << i << " j=" << j;
+    }
+  }
+}
+
 // ColMajor kernels take up to four packets of rows side by side (forward:
 // whole blocks of 4, then 2, then 1 packets, then padded leftovers;
 // backward: the same within each row group, groups of whole packets): a
@@ -271,69 +300,32 @@ TYPED_TEST(LayerNormTest, ColMajorPacketBlocksBitForBit) {
   randomize_params(ln, 5);
   for (const Index rows : {Index(700), Index(1130)}) {
     SCOPED_TRACE(::testing::Message() << rows << " rows");
-    const auto xl = randn<T>(static_cast<std::size_t>(rows * n), 16, 3.0, 2.0);
-    const auto dyl = randn<T>(static_cast<std::size_t>(rows * n), 17);
-    const auto xc = to_colmajor(xl, rows, n), dyc = to_colmajor(dyl, rows, n);
-    MapC<T, Eigen::ColMajor> x(xc.data(), rows, n), dy(dyc.data(), rows, n);
-    const Mat<T, Eigen::ColMajor> y = ln(x);
-    Mat<T, Eigen::ColMajor> dx(rows, n);
-    ln.backward(x, dy, &dx, nullptr, nullptr);
-    for (Index i = 0; i < rows; ++i) {
-      MapC<T, Eigen::ColMajor> x1(xl.data() + i * n, 1, n), dy1(dyl.data() + i * n, 1, n);
-      const Mat<T, Eigen::ColMajor> y1 = ln(x1);
-      Mat<T, Eigen::ColMajor> dx1(1, n);
-      ln.backward(x1, dy1, &dx1, nullptr, nullptr);
-      for (Index j = 0; j < n; ++j) {
-        ASSERT_EQ(std::memcmp(&y1(0, j), &y(i, j), sizeof(T)), 0) << "y, row " << i << " j=" << j;
-        ASSERT_EQ(std::memcmp(&dx1(0, j), &dx(i, j), sizeof(T)), 0) << "dx, row " << i << " j=" << j;
-      }
-    }
+    colmajor_rows_match_alone(ln, rows, 16, every_row(rows, 1));
   }
   check_against_reference<T, Eigen::ColMajor>(1130, 17, 41, 0.5);
   check_against_reference<T, Eigen::ColMajor>(700, 40, 43, 0.5);
 }
 
 // ColMajor inputs of detail::kStreamingBytes or more write y with
-// streaming stores (detail::can_stream_colmajor; the threshold set to that
-// gate so that they do on any CPU), and a backward without saved
-// statistics takes them for all of a part's rows at once, as the forward
-// does. Rows of such an input, and long rows (600 features: three chunks
-// of detail::kChunk in the lane statistics), must give the bits of the row
-// alone, and the reference (check_against_reference: its backward without
-// saved statistics must match the one with them bit for bit).
+// streaming stores with AVX-512 (detail::can_stream_colmajor, asserted; the
+// threshold set to that gate so that they do on any CPU), and a backward without
+// saved statistics takes them for all of a part's rows at once, as the
+// forward does. Rows of such an input, and long rows (600 features: three
+// chunks of detail::kChunk in the lane statistics), must give the bits of
+// the row alone; the long rows also the reference (check_against_reference:
+// its backward without saved statistics must match the one with them bit
+// for bit).
 TYPED_TEST(LayerNormTest, ColMajorLargeInputsAndLongRowsBitForBit) {
   using T = TypeParam;
-  normcore::set_forward_stream_threshold(normcore::detail::kStreamingBytes);
-  const Index big_rows = 4096;
-  const Index big_n = normcore::detail::kStreamingBytes / (big_rows * Index(sizeof(T))) + 1;
-  for (const auto& [rows, n] : {std::pair<Index, Index>(1130, 600), std::pair<Index, Index>(big_rows, big_n)}) {
+  const nctest::StreamThreshold streaming(normcore::detail::kStreamingBytes);
+  for (const auto& [shape, streams] : colmajor_large_shapes<T>()) {
+    const auto [rows, n] = shape;
     SCOPED_TRACE(::testing::Message() << rows << "x" << n);
     LayerNorm<T> ln(LayerNormOptions({n}));
     randomize_params(ln, 9);
-    const auto xl = randn<T>(static_cast<std::size_t>(rows * n), 20, 3.0, 2.0);
-    const auto dyl = randn<T>(static_cast<std::size_t>(rows * n), 21);
-    const auto xc = to_colmajor(xl, rows, n), dyc = to_colmajor(dyl, rows, n);
-    MapC<T, Eigen::ColMajor> x(xc.data(), rows, n), dy(dyc.data(), rows, n);
-    const Mat<T, Eigen::ColMajor> y = ln(x);
-    Mat<T, Eigen::ColMajor> dx(rows, n);
-    ln.backward(x, dy, &dx, nullptr, nullptr);
-    std::vector<Index> picks;  // every 37th row and the last
-    for (Index i = 0; i < rows; i += 37) picks.push_back(i);
-    picks.push_back(rows - 1);
-    for (const Index i : picks) {
-      MapC<T, Eigen::ColMajor> x1(xl.data() + i * n, 1, n), dy1(dyl.data() + i * n, 1, n);
-      const Mat<T, Eigen::ColMajor> y1 = ln(x1);
-      Mat<T, Eigen::ColMajor> dx1(1, n);
-      ln.backward(x1, dy1, &dx1, nullptr, nullptr);
-      for (Index j = 0; j < n; ++j) {
-        ASSERT_EQ(std::memcmp(&y1(0, j), &y(i, j), sizeof(T)), 0) << "y, row " << i << " j=" << j;
-        ASSERT_EQ(std::memcmp(&dx1(0, j), &dx(i, j), sizeof(T)), 0) << "dx, row " << i << " j=" << j;
-      }
-    }
+    colmajor_rows_match_alone(ln, rows, 20, every_row(rows, 37), streams);
   }
   check_against_reference<T, Eigen::ColMajor>(1130, 600, 51, 0.5);
-  check_against_reference<T, Eigen::ColMajor>(big_rows, big_n, 53, 0.5);
-  normcore::set_forward_stream_threshold(-1);
 }
 
 // Fewer rows than one block of the parameter sums (64) write dweight and

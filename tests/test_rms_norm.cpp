@@ -416,6 +416,34 @@ TYPED_TEST(RMSNormTest, ColMajorBackwardInPlaceSameBits) {
   }
 }
 
+// The picked rows of a ColMajor batch of `rows` random rows (x from seed,
+// dy from seed + 1): y and dx (without saved statistics) the same bits as
+// each row normalized alone.
+template <typename T>
+void colmajor_rows_match_alone(const RMSNorm<T>& rn, Index rows, unsigned seed, const std::vector<Index>& picks,
+                               bool streams = false) {
+  const Index n = rn.normalized_size();
+  const auto xl = randn<T>(static_cast<std::size_t>(rows * n), seed, 0.5, 2.0);
+  const auto dyl = randn<T>(static_cast<std::size_t>(rows * n), seed + 1);
+  const auto xc = to_colmajor(xl, rows, n), dyc = to_colmajor(dyl, rows, n);
+  Eigen::TensorMap<const Eigen::Tensor<T, 2, Eigen::ColMajor>> x(xc.data(), rows, n), dy(dyc.data(), rows, n);
+  const Eigen::Tensor<T, 2, Eigen::ColMajor> y = rn(x);
+  if (streams) {
+    ASSERT_TRUE(normcore::detail::can_stream_colmajor(xc.data(), y.data(), rows, n));
+  }
+  const auto g = rn.backward(x, dy);
+  for (const Index i : picks) {
+    Eigen::TensorMap<const Eigen::Tensor<T, 2, Eigen::ColMajor>> x1(xl.data() + i * n, 1, n),
+        dy1(dyl.data() + i * n, 1, n);
+    const Eigen::Tensor<T, 2, Eigen::ColMajor> y1 = rn(x1);
+    const auto g1 = rn.backward(x1, dy1);
+    for (Index j = 0; j < n; ++j) {
+      ASSERT_EQ(std::memcmp(&y(i, j), &y1(0, j), sizeof(T)), 0) << "y, row " << i << " j=" << j;
+      ASSERT_EQ(std::memcmp(&g.dx(i, j), &g1.dx(0, j), sizeof(T)), 0) << "dx, row " << i << " j=" << j;
+    }
+  }
+}
+
 // ColMajor kernels take up to four packets of rows side by side (see the
 // LayerNorm test of the same name): against the reference with many rows,
 // and every row's y and dx the same bits as the row alone.
@@ -429,65 +457,65 @@ TYPED_TEST(RMSNormTest, ColMajorPacketBlocksBitForBit) {
   std::copy(gv.begin(), gv.end(), rn.weight().data());
   for (const Index rows : {Index(700), Index(1130)}) {
     SCOPED_TRACE(::testing::Message() << rows << " rows");
-    const auto xl = randn<T>(static_cast<std::size_t>(rows * n), 14, 0.5, 2.0);
-    const auto dyl = randn<T>(static_cast<std::size_t>(rows * n), 15);
-    const auto xc = to_colmajor(xl, rows, n), dyc = to_colmajor(dyl, rows, n);
-    Eigen::TensorMap<const Eigen::Tensor<T, 2, Eigen::ColMajor>> x(xc.data(), rows, n), dy(dyc.data(), rows, n);
-    const Eigen::Tensor<T, 2, Eigen::ColMajor> y = rn(x);
-    const auto g = rn.backward(x, dy);
-    for (Index i = 0; i < rows; ++i) {
-      Eigen::TensorMap<const Eigen::Tensor<T, 2, Eigen::ColMajor>> x1(xl.data() + i * n, 1, n),
-          dy1(dyl.data() + i * n, 1, n);
-      const Eigen::Tensor<T, 2, Eigen::ColMajor> y1 = rn(x1);
-      const auto g1 = rn.backward(x1, dy1);
-      for (Index j = 0; j < n; ++j) {
-        ASSERT_EQ(std::memcmp(&y(i, j), &y1(0, j), sizeof(T)), 0) << "y, row " << i << " j=" << j;
-        ASSERT_EQ(std::memcmp(&g.dx(i, j), &g1.dx(0, j), sizeof(T)), 0) << "dx, row " << i << " j=" << j;
-      }
-    }
+    colmajor_rows_match_alone(rn, rows, 14, every_row(rows, 1));
   }
 }
 
 // ColMajor inputs of detail::kStreamingBytes or more write y with
-// streaming stores (the threshold set to that gate so that they do on any
-// CPU); the lane sums of squares go a tile of features at a time in blocks
-// of up to detail::kRegisterLanePackets packets of rows. Rows of such an
-// input and long rows (600 features: three chunks of detail::kChunk) must
-// give the bits of the row alone (forward, and a backward without saved
-// statistics, which sums them again), and the reference.
+// streaming stores with AVX-512 (asserted; the threshold set to that gate
+// so that they do on any CPU); the lane sums of squares go a tile of features at a
+// time in blocks of up to detail::kRegisterLanePackets packets of rows.
+// Rows of such an input and long rows (600 features: three chunks of
+// detail::kChunk) must give the bits of the row alone (forward, and a
+// backward without saved statistics, which sums them again); the long rows
+// also the reference.
 TYPED_TEST(RMSNormTest, ColMajorLargeInputsAndLongRowsBitForBit) {
   using T = TypeParam;
-  normcore::set_forward_stream_threshold(normcore::detail::kStreamingBytes);
-  const Index big_rows = 4096;
-  const Index big_n = normcore::detail::kStreamingBytes / (big_rows * Index(sizeof(T))) + 1;
-  for (const auto& [rows, n] : {std::pair<Index, Index>(1130, 600), std::pair<Index, Index>(big_rows, big_n)}) {
+  const nctest::StreamThreshold streaming(normcore::detail::kStreamingBytes);
+  for (const auto& [shape, streams] : colmajor_large_shapes<T>()) {
+    const auto [rows, n] = shape;
     SCOPED_TRACE(::testing::Message() << rows << "x" << n);
     RMSNorm<T> rn(RMSNormOptions({n}));
     const auto gv = randn<T>(static_cast<std::size_t>(n), 7, 1.0, 0.5);
     std::copy(gv.begin(), gv.end(), rn.weight().data());
-    const auto xl = randn<T>(static_cast<std::size_t>(rows * n), 22, 0.5, 2.0);
-    const auto dyl = randn<T>(static_cast<std::size_t>(rows * n), 23);
-    const auto xc = to_colmajor(xl, rows, n), dyc = to_colmajor(dyl, rows, n);
-    Eigen::TensorMap<const Eigen::Tensor<T, 2, Eigen::ColMajor>> x(xc.data(), rows, n), dy(dyc.data(), rows, n);
-    const Eigen::Tensor<T, 2, Eigen::ColMajor> y = rn(x);
-    const auto g = rn.backward(x, dy);
-    std::vector<Index> picks;  // every 37th row and the last
-    for (Index i = 0; i < rows; i += 37) picks.push_back(i);
-    picks.push_back(rows - 1);
-    for (const Index i : picks) {
-      Eigen::TensorMap<const Eigen::Tensor<T, 2, Eigen::ColMajor>> x1(xl.data() + i * n, 1, n),
-          dy1(dyl.data() + i * n, 1, n);
-      const Eigen::Tensor<T, 2, Eigen::ColMajor> y1 = rn(x1);
-      const auto g1 = rn.backward(x1, dy1);
-      for (Index j = 0; j < n; ++j) {
-        ASSERT_EQ(std::memcmp(&y(i, j), &y1(0, j), sizeof(T)), 0) << "y, row " << i << " j=" << j;
-        ASSERT_EQ(std::memcmp(&g.dx(i, j), &g1.dx(0, j), sizeof(T)), 0) << "dx, row " << i << " j=" << j;
-      }
-    }
+    colmajor_rows_match_alone(rn, rows, 22, every_row(rows, 37), streams);
   }
   check_rms<T, Eigen::ColMajor>(1130, 600, 41, 1.0);
-  check_rms<T, Eigen::ColMajor>(big_rows, big_n, 43, 1.0);
-  normcore::set_forward_stream_threshold(-1);
+}
+
+// A ColMajor row whose rstd is below T's normal range (values near T's
+// maximum, eps 0) is redone exactly after the packet pass, in whichever
+// row group holds it: row 66 of 70 sits in a later group (and in the padded
+// leftover rows where a packet holds 16 floats). Its y and dx, with and
+// without saved statistics, must be the bits of the row alone, and its
+// neighbour's too.
+TYPED_TEST(RMSNormTest, ColMajorSubnormalRstdInLaterGroupBitForBit) {
+  using T = TypeParam;
+  const Index rows = 70, n = 40, pick = 66;
+  RMSNorm<T> rn(RMSNormOptions({n}).eps(0));
+  auto xl = randn<T>(static_cast<std::size_t>(rows * n), 24, 0.5, 2.0);
+  const auto dyl = randn<T>(static_cast<std::size_t>(rows * n), 25);
+  const double big = 0.55 * static_cast<double>(std::numeric_limits<T>::max());
+  for (Index j = 0; j < n; ++j) xl[static_cast<std::size_t>(pick * n + j)] = static_cast<T>(big * (1.0 + 0.01 * double(j)));
+  const auto xc = to_colmajor(xl, rows, n), dyc = to_colmajor(dyl, rows, n);
+  Eigen::TensorMap<const Eigen::Tensor<T, 2, Eigen::ColMajor>> x(xc.data(), rows, n), dy(dyc.data(), rows, n);
+  Eigen::Tensor<T, 2, Eigen::ColMajor> y(rows, n), dx(rows, n);
+  NormStats<T> st;
+  rn.forward(x, y, st);
+  ASSERT_FALSE(normcore::detail::normal_in<T>(static_cast<double>(st.rstd(pick))));
+  rn.backward(x, dy, &dx, nullptr, &st);
+  const auto g = rn.backward(x, dy);  // statistics recomputed
+  for (const Index i : {pick, pick - 1}) {
+    Eigen::TensorMap<const Eigen::Tensor<T, 2, Eigen::ColMajor>> x1(xl.data() + i * n, 1, n),
+        dy1(dyl.data() + i * n, 1, n);
+    const Eigen::Tensor<T, 2, Eigen::ColMajor> y1 = rn(x1);
+    const auto g1 = rn.backward(x1, dy1);
+    for (Index j = 0; j < n; ++j) {
+      ASSERT_EQ(std::memcmp(&y(i, j), &y1(0, j), sizeof(T)), 0) << "y, row " << i << " j=" << j;
+      ASSERT_EQ(std::memcmp(&dx(i, j), &g1.dx(0, j), sizeof(T)), 0) << "dx (saved), row " << i << " j=" << j;
+      ASSERT_EQ(std::memcmp(&g.dx(i, j), &g1.dx(0, j), sizeof(T)), 0) << "dx, row " << i << " j=" << j;
+    }
+  }
 }
 
 TYPED_TEST(RMSNormTest, BatchIndependenceBitForBit) {

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <limits>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include <normcore/normcore.hpp>
@@ -98,6 +99,29 @@ inline const std::vector<Index>& awkward_lengths() {
                                        65,  127, 128, 129, 255, 256, 257, 511, 512,  513,  768, 1000,
                                        1024, 4097};
   return v;
+}
+
+/// The ColMajor shapes of the large-input tests, with whether the ColMajor
+/// forwards stream their y: 1130 rows of 600 features (three chunks of
+/// detail::kChunk in the lane statistics, many tiles) and, where the build
+/// streams ColMajor outputs (packets of a whole line: AVX-512), 4096 rows
+/// just over detail::kStreamingBytes.
+template <typename T>
+std::vector<std::pair<std::pair<Index, Index>, bool>> colmajor_large_shapes() {
+  std::vector<std::pair<std::pair<Index, Index>, bool>> shapes = {{{1130, 600}, false}};
+  if (normcore::detail::kStreamStores && sizeof(typename normcore::detail::simd<T>::Packet) >= 64) {
+    const Index rows = 4096;
+    shapes.push_back({{rows, normcore::detail::kStreamingBytes / (rows * Index(sizeof(T))) + 1}, true});
+  }
+  return shapes;
+}
+
+/// Every step-th row of `rows` (at least one), and the last.
+inline std::vector<Index> every_row(Index rows, Index step) {
+  std::vector<Index> picks;
+  for (Index i = 0; i < rows; i += step) picks.push_back(i);
+  if (picks.back() != rows - 1) picks.push_back(rows - 1);
+  return picks;
 }
 
 /// A row-wise backward over `rows` rows of n values must write the dx bits

@@ -309,7 +309,10 @@ class LayerNorm {
   static constexpr const char* kWho = "normcore::LayerNorm";
 
   template <typename Device, typename X, typename Y>
-  void forward_impl(const Device& device, const X& x, Y& y, NormStats<T>* saved) const {
+  // may_stream false: y is a float copy of a 16-bit ColMajor output, read
+  // back at once (no streaming stores: their gate is for float and double
+  // storage).
+  void forward_impl(const Device& device, const X& x, Y& y, NormStats<T>* saved, bool may_stream = true) const {
     using S = typename detail::tensor_traits<X>::Scalar;
     detail::check_storage<T, X>();
     detail::check_same_scalar<X, Y>();
@@ -321,7 +324,7 @@ class LayerNorm {
       if (!xv.row_major) {  // ColMajor 16-bit: through a whole float copy
         const auto xf = detail::widen(x);
         auto yf = detail::float_like(x);
-        forward_impl(device, xf, yf, saved);
+        forward_impl(device, xf, yf, saved, false);
         detail::narrow(yf, y);
         return;
       }
@@ -369,7 +372,7 @@ class LayerNorm {
     } else if constexpr (std::is_same<S, T>::value) {
       const auto pv = detail::param_view(true, options_.normalized_shape(), prm.gamma, prm.beta, n);
       detail::run_parts(device, parts, [&](Index p) {
-        forward_colmajor(xv, out, mean, rstd, split.begin(p), split.begin(p + 1), pv.gamma, pv.beta);
+        forward_colmajor(xv, out, mean, rstd, split.begin(p), split.begin(p + 1), pv.gamma, pv.beta, may_stream);
       });
     }
   }
@@ -808,7 +811,7 @@ class LayerNorm {
   // ColMajor: element (r, j) at data[j * rows + r]; rows are SIMD lanes.
   // Handles rows [r0, r1), r0 a multiple of the packet size.
   void forward_colmajor(const detail::Matrix2D<T>& xv, T* out, T* mean, T* rstd, Index r0,
-                        Index r1, const T* g, const T* b) const {
+                        Index r1, const T* g, const T* b, bool may_stream) const {
     constexpr int L = detail::simd<T>::L;
     const Index rows = xv.rows, n = xv.cols, m = r1 - r0;
     const std::vector<Welford<double>> w = colmajor_moments(xv, r0, r1);
@@ -827,7 +830,7 @@ class LayerNorm {
         rstd[r0 + i] = k.rstd;
       }
     }
-    const bool stream = detail::can_stream_colmajor(xv.data, out, rows, n);
+    const bool stream = may_stream && detail::can_stream_colmajor(xv.data, out, rows, n);
     const Index i0 = detail::for_lane_blocks<detail::kLanePackets>(0, m, L, [&](auto k_c, Index i) {
       constexpr int K = decltype(k_c)::value;
       if (stream)
@@ -835,7 +838,7 @@ class LayerNorm {
       else
         normalize_lanes<K, false>(xv.data + r0 + i, out + r0 + i, rows, n, piv + i, rs + i, sh + i, g, b);
     });
-    if (stream) detail::stream_fence();
+    if (stream) detail::stream_fence();  // (this part's stores done)
     if (i0 < m) {
       // Leftover rows go through the same packet code on a padded copy, so a
       // row's result never depends on where it sits in the batch.

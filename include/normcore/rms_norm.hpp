@@ -267,7 +267,7 @@ class RMSNorm {
   using W = detail::rstd_t<T>;  // rstd before rounding to T
 
   /// rstd of ColMajor rows [r0, r1) into r[0..r1 - r0), in W (exact
-  /// path for extreme rows); r0 is a multiple of the packet size.
+  /// path for extreme rows).
   void lane_rstd(const detail::Matrix2D<T>& xv, Index r0, Index r1, W* r) const {
     using namespace Eigen::internal;
     using Packet = typename detail::simd<T>::Packet;
@@ -402,7 +402,10 @@ class RMSNorm {
   }
 
   template <typename Device, typename X, typename Y>
-  void forward_impl(const Device& device, const X& x, Y& y, NormStats<T>* saved) const {
+  // may_stream false: y is a float copy of a 16-bit ColMajor output, read
+  // back at once (no streaming stores: their gate is for float and double
+  // storage).
+  void forward_impl(const Device& device, const X& x, Y& y, NormStats<T>* saved, bool may_stream = true) const {
     using namespace Eigen::internal;
     using Packet = typename detail::simd<T>::Packet;
     constexpr int L = detail::simd<T>::L;
@@ -417,7 +420,7 @@ class RMSNorm {
       if (!xv.row_major) {  // ColMajor 16-bit: through a whole float copy
         const auto xf = detail::widen(x);
         auto yf = detail::float_like(x);
-        forward_impl(device, xf, yf, saved);
+        forward_impl(device, xf, yf, saved, false);
         detail::narrow(yf, y);
         return;
       }
@@ -460,7 +463,7 @@ class RMSNorm {
                                          static_cast<const T*>(nullptr), n);
       const T* g = pv.gamma;
       std::vector<W> r(static_cast<std::size_t>(rows));
-      const bool stream = detail::can_stream_colmajor(xv.data, out, rows, n);
+      const bool stream = may_stream && detail::can_stream_colmajor(xv.data, out, rows, n);
       // Rows whose rstd is not a normal T: exact scalar path in long double.
       auto exact_row = [&](Index i) {
         const W ri = r[static_cast<std::size_t>(i)];
@@ -509,7 +512,7 @@ class RMSNorm {
           else
             lanes(k_c, std::false_type(), xv.data + i, out + i, rows, rt.data() + (i - r0));
         });
-        if (stream) detail::stream_fence();  // before the padded rows' and exact rows' stores
+        if (stream) detail::stream_fence();  // before the exact rows' stores
         if (i0 < r1) {
           const Index m = r1 - i0;
           std::vector<T> tmp(static_cast<std::size_t>(2 * L * n + L));

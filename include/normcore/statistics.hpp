@@ -596,9 +596,10 @@ inline std::atomic<Index>& forward_stream_setting() {
 
 /// The size of input (bytes) from which the LayerNorm and RMSNorm forwards
 /// write y with streaming (non-temporal) stores, on x86: inputs stored as
-/// float or double, when y is aligned to a packet, every row (RowMajor) or
-/// every feature's column (ColMajor) is whole packets and y does not
-/// overlap x. Inputs under
+/// float or double, when y does not overlap x and, RowMajor, y is aligned
+/// to a packet and every row is whole packets; ColMajor (AVX-512 builds
+/// only), y is aligned to 64 bytes and every feature's column is whole
+/// 64-byte lines (detail::can_stream_colmajor). Inputs under
 /// detail::kStreamingBytes (12 MiB) never stream, whatever the threshold
 /// (the forwards take them to be cached). Default: 12 MiB; with the Intel
 /// path choices, a sixteenth of the L3 cache the OS reports when that is
@@ -618,9 +619,10 @@ inline void set_forward_stream_threshold(Index bytes) {
 
 namespace detail {
 
-/// Whether a row-wise forward over an input of `bytes` writes y with
-/// streaming stores where it can: at least forward_stream_threshold() (the
-/// callers also require a streaming input, streaming_input).
+/// Whether a forward over an input of `bytes` writes y with streaming
+/// stores where it can: at least forward_stream_threshold() (the callers
+/// also require at least kStreamingBytes: streaming_input, or
+/// can_stream_colmajor).
 inline bool stream_forward_output(Index bytes) { return bytes >= forward_stream_threshold(); }
 
 /// Whether a forward over `rows` rows of n values stored as S (computed in

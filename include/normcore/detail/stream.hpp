@@ -69,17 +69,21 @@ bool can_stream_rows(const T* in, const T* out, Index n, Index count) {
 }
 
 /// Whether a ColMajor forward (LayerNorm, RMSNorm) over `rows` x n values
-/// of T at x writes y at out with streaming stores: the row-wise forwards'
+/// of T at x writes y at out with streaming stores: packets of a whole
+/// 64-byte line (AVX-512; where they were measured), the row-wise forwards'
 /// gate (an input of at least kStreamingBytes and forward_stream_threshold()),
-/// and every feature's column of y is whole aligned packets apart from x.
-/// The kernels write a feature's lines of a block of rows whole (K packets),
-/// so none is read first. On a Zen 5 guest (AVX-512, float, 1 thread, the
-/// same input every call) LayerNorm's ColMajor forward took 0.80x the time
-/// at 4096x1024, 0.86x at 16384x4096 and 0.77x at 65536x64.
+/// y aligned to a line, every feature's column of y whole lines, and y
+/// apart from x. Every packet store then writes one whole line. On a Zen 5
+/// guest (AVX-512, float, 1 thread, the same input every call) LayerNorm's
+/// ColMajor forward took 0.80x the time at 4096x1024, 0.86x at 16384x4096
+/// and 0.78x at 65536x64.
 template <typename T>
 bool can_stream_colmajor(const T* x, const T* out, Index rows, Index n) {
+  constexpr Index kLine = 64;
   const Index bytes = rows * n * static_cast<Index>(sizeof(T));
-  return bytes >= kStreamingBytes && stream_forward_output(bytes) && can_stream_rows(x, out, rows, n);
+  return sizeof(typename simd<T>::Packet) >= kLine && bytes >= kStreamingBytes && stream_forward_output(bytes) &&
+         can_stream_rows(x, out, rows, n) && reinterpret_cast<std::uintptr_t>(out) % kLine == 0 &&
+         (rows * static_cast<Index>(sizeof(T))) % kLine == 0;
 }
 
 /// Whether a row-wise backward over `rows` rows of n values stored as S,
