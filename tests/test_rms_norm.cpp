@@ -1,4 +1,6 @@
 // RMSNorm against the reference path, finite differences and extremes.
+#include <tuple>
+
 #include "test_util.hpp"
 
 namespace {
@@ -382,9 +384,8 @@ TYPED_TEST(RMSNormTest, ShortRowBackwardInPlaceSameBits) {
 // for bit, the parameter gradients unchanged.
 TYPED_TEST(RMSNormTest, ColMajorBackwardInPlaceSameBits) {
   using T = TypeParam;
-  const Index rows = 37;
-  for (Index n : {Index(7), Index(50), Index(1000)}) {
-    SCOPED_TRACE(::testing::Message() << "n=" << n);
+  for (const auto& [rows, n] : {std::pair<Index, Index>{37, 7}, {37, 50}, {37, 1000}, {512, 300}, {2500, 64}}) {
+    SCOPED_TRACE(::testing::Message() << rows << "x" << n);
     RMSNorm<T> ln(RMSNormOptions({n}));
     const auto gv = randn<T>(static_cast<std::size_t>(n), 3, 1.0, 0.5);
     std::copy(gv.begin(), gv.end(), ln.weight().data());
@@ -416,22 +417,24 @@ TYPED_TEST(RMSNormTest, ColMajorBackwardInPlaceSameBits) {
   }
 }
 
-// The picked rows of a ColMajor batch of `rows` random rows (x from seed,
-// dy from seed + 1): y and dx (without saved statistics) the same bits as
-// each row normalized alone.
+// The picked rows of a ColMajor batch of `rows` rows (xl and dyl, row by
+// row): y and dx (with saved statistics, and recomputed) the same bits as
+// each row normalized alone. With `streams`, the batch's y must take the
+// streaming stores.
 template <typename T>
-void colmajor_rows_match_alone(const RMSNorm<T>& rn, Index rows, unsigned seed, const std::vector<Index>& picks,
-                               bool streams = false) {
+void colmajor_rows_match_alone(const RMSNorm<T>& rn, const std::vector<T>& xl, const std::vector<T>& dyl, Index rows,
+                               const std::vector<Index>& picks, bool streams = false) {
   const Index n = rn.normalized_size();
-  const auto xl = randn<T>(static_cast<std::size_t>(rows * n), seed, 0.5, 2.0);
-  const auto dyl = randn<T>(static_cast<std::size_t>(rows * n), seed + 1);
   const auto xc = to_colmajor(xl, rows, n), dyc = to_colmajor(dyl, rows, n);
   Eigen::TensorMap<const Eigen::Tensor<T, 2, Eigen::ColMajor>> x(xc.data(), rows, n), dy(dyc.data(), rows, n);
-  const Eigen::Tensor<T, 2, Eigen::ColMajor> y = rn(x);
+  Eigen::Tensor<T, 2, Eigen::ColMajor> y(rows, n), dx(rows, n);
+  NormStats<T> st;
+  rn.forward(x, y, st);
   if (streams) {
     ASSERT_TRUE(normcore::detail::can_stream_colmajor(xc.data(), y.data(), rows, n));
   }
-  const auto g = rn.backward(x, dy);
+  rn.backward(x, dy, &dx, nullptr, &st);
+  const auto g = rn.backward(x, dy);  // statistics recomputed
   for (const Index i : picks) {
     Eigen::TensorMap<const Eigen::Tensor<T, 2, Eigen::ColMajor>> x1(xl.data() + i * n, 1, n),
         dy1(dyl.data() + i * n, 1, n);
@@ -439,9 +442,19 @@ void colmajor_rows_match_alone(const RMSNorm<T>& rn, Index rows, unsigned seed, 
     const auto g1 = rn.backward(x1, dy1);
     for (Index j = 0; j < n; ++j) {
       ASSERT_EQ(std::memcmp(&y(i, j), &y1(0, j), sizeof(T)), 0) << "y, row " << i << " j=" << j;
+      ASSERT_EQ(std::memcmp(&dx(i, j), &g1.dx(0, j), sizeof(T)), 0) << "dx (saved), row " << i << " j=" << j;
       ASSERT_EQ(std::memcmp(&g.dx(i, j), &g1.dx(0, j), sizeof(T)), 0) << "dx, row " << i << " j=" << j;
     }
   }
+}
+
+// The same for random rows (x from seed, dy from seed + 1).
+template <typename T>
+void colmajor_rows_match_alone(const RMSNorm<T>& rn, Index rows, unsigned seed, const std::vector<Index>& picks,
+                               bool streams = false) {
+  const Index n = rn.normalized_size();
+  colmajor_rows_match_alone(rn, randn<T>(static_cast<std::size_t>(rows * n), seed, 0.5, 2.0),
+                            randn<T>(static_cast<std::size_t>(rows * n), seed + 1), rows, picks, streams);
 }
 
 // ColMajor kernels take up to four packets of rows side by side (see the
@@ -484,37 +497,49 @@ TYPED_TEST(RMSNormTest, ColMajorLargeInputsAndLongRowsBitForBit) {
 }
 
 // A ColMajor row whose rstd is below T's normal range (values near T's
-// maximum, eps 0) is redone exactly after the packet pass, in whichever
-// row group holds it: row 66 of 70 sits in a later group (and in the padded
-// leftover rows where a packet holds 16 floats). Its y and dx, with and
-// without saved statistics, must be the bits of the row alone, and its
-// neighbour's too.
+// maximum, eps 0) is redone exactly after the packet passes, in whichever
+// row group and segment holds it: row 66 of 70 sits in a later group (and
+// in the padded leftover rows where a packet holds 16 floats); row 2100 of
+// 2500 in a later segment of a part (RMSNorm::backward_colmajor). Its y and
+// dx, with and without saved statistics, must be the bits of the row alone,
+// and its neighbour's too; the others' dweight terms the reference's.
 TYPED_TEST(RMSNormTest, ColMajorSubnormalRstdInLaterGroupBitForBit) {
   using T = TypeParam;
-  const Index rows = 70, n = 40, pick = 66;
-  RMSNorm<T> rn(RMSNormOptions({n}).eps(0));
-  auto xl = randn<T>(static_cast<std::size_t>(rows * n), 24, 0.5, 2.0);
-  const auto dyl = randn<T>(static_cast<std::size_t>(rows * n), 25);
-  const double big = 0.55 * static_cast<double>(std::numeric_limits<T>::max());
-  for (Index j = 0; j < n; ++j) xl[static_cast<std::size_t>(pick * n + j)] = static_cast<T>(big * (1.0 + 0.01 * double(j)));
-  const auto xc = to_colmajor(xl, rows, n), dyc = to_colmajor(dyl, rows, n);
-  Eigen::TensorMap<const Eigen::Tensor<T, 2, Eigen::ColMajor>> x(xc.data(), rows, n), dy(dyc.data(), rows, n);
-  Eigen::Tensor<T, 2, Eigen::ColMajor> y(rows, n), dx(rows, n);
-  NormStats<T> st;
-  rn.forward(x, y, st);
-  ASSERT_FALSE(normcore::detail::normal_in<T>(static_cast<double>(st.rstd(pick))));
-  rn.backward(x, dy, &dx, nullptr, &st);
-  const auto g = rn.backward(x, dy);  // statistics recomputed
-  for (const Index i : {pick, pick - 1}) {
-    Eigen::TensorMap<const Eigen::Tensor<T, 2, Eigen::ColMajor>> x1(xl.data() + i * n, 1, n),
-        dy1(dyl.data() + i * n, 1, n);
-    const Eigen::Tensor<T, 2, Eigen::ColMajor> y1 = rn(x1);
-    const auto g1 = rn.backward(x1, dy1);
-    for (Index j = 0; j < n; ++j) {
-      ASSERT_EQ(std::memcmp(&y(i, j), &y1(0, j), sizeof(T)), 0) << "y, row " << i << " j=" << j;
-      ASSERT_EQ(std::memcmp(&dx(i, j), &g1.dx(0, j), sizeof(T)), 0) << "dx (saved), row " << i << " j=" << j;
-      ASSERT_EQ(std::memcmp(&g.dx(i, j), &g1.dx(0, j), sizeof(T)), 0) << "dx, row " << i << " j=" << j;
-    }
+  for (const auto& [rows, n, pick] : {std::tuple<Index, Index, Index>{70, 40, 66}, {2500, 64, 2100}}) {
+    SCOPED_TRACE(::testing::Message() << rows << "x" << n << ", row " << pick);
+    RMSNorm<T> rn(RMSNormOptions({n}).eps(0));
+    auto xl = randn<T>(static_cast<std::size_t>(rows * n), 24, 0.5, 2.0);
+    const auto dyl = randn<T>(static_cast<std::size_t>(rows * n), 25);
+    const double big = 0.55 * static_cast<double>(std::numeric_limits<T>::max());
+    for (Index j = 0; j < n; ++j)
+      xl[static_cast<std::size_t>(pick * n + j)] = static_cast<T>(big * (1.0 + 0.01 * double(j)));
+    NormStats<T> st;
+    const auto xc = to_colmajor(xl, rows, n);
+    Eigen::TensorMap<const Eigen::Tensor<T, 2, Eigen::ColMajor>> x(xc.data(), rows, n);
+    Eigen::Tensor<T, 2, Eigen::ColMajor> y(rows, n);
+    rn.forward(x, y, st);
+    ASSERT_FALSE(normcore::detail::normal_in<T>(static_cast<double>(st.rstd(pick))));
+    colmajor_rows_match_alone(rn, xl, dyl, rows, {pick - 1, pick, pick + 1});
+  }
+}
+
+// The ColMajor backward takes each part's rows in one of three ways
+// (RMSNorm::backward_colmajor): rows of at most 1 KB in chunks of 1 KB of
+// each feature's values, segments of several chunks (2500x64, with
+// leftover rows); longer rows in chunks of detail::kLanePackets packets
+// (700x300); or the whole part at once, where the row count times the
+// value's size is a multiple of 1 KB (512x300) or a chunk would take more
+// than 512 KB (100x1100, with leftover rows). Each way: every 7th row's y
+// and dx the bits of the row alone, and y, dx and dweight the reference's.
+TYPED_TEST(RMSNormTest, ColMajorBackwardWaysBitForBit) {
+  using T = TypeParam;
+  for (const auto& [rows, n] : {std::pair<Index, Index>{2500, 64}, {700, 300}, {512, 300}, {100, 1100}}) {
+    SCOPED_TRACE(::testing::Message() << rows << "x" << n);
+    RMSNorm<T> rn(RMSNormOptions({n}));
+    const auto gv = randn<T>(static_cast<std::size_t>(n), 9, 1.0, 0.5);
+    std::copy(gv.begin(), gv.end(), rn.weight().data());
+    colmajor_rows_match_alone(rn, rows, 26, every_row(rows, 7));
+    check_rms<T, Eigen::ColMajor>(rows, n, 43, 1.0);
   }
 }
 

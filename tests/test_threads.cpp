@@ -69,6 +69,10 @@ TEST(Threads, RowLayersBitIdenticalForAnyThreadCount) {
   // parts and the backwards 16, their most (one per row group).
   check_row_layers<float, Eigen::RowMajor>(2048, 700);
   check_row_layers<float, Eigen::ColMajor>(4100, 300);
+  // RMSNorm's ColMajor backward, the whole part at once; in double, whose
+  // dweight sums (unlike float terms summed in double) round.
+  check_row_layers<float, Eigen::ColMajor>(2048, 300);
+  check_row_layers<double, Eigen::ColMajor>(1024, 300);
   check_row_layers<float, Eigen::RowMajor>(4096, 600);
 }
 
