@@ -257,8 +257,8 @@ TYPED_TEST(LayerNormTest, BatchSizeIndependenceBitForBit) {
 }
 
 // The picked rows of a ColMajor batch of `rows` random rows (x from seed,
-// dy from seed + 1): y and dx (without saved statistics) the same bits as
-// each row normalized alone.
+// dy from seed + 1): y and dx (with saved statistics, and recomputed) the
+// same bits as each row normalized alone.
 template <typename T>
 void colmajor_rows_match_alone(const LayerNorm<T>& ln, Index rows, unsigned seed, const std::vector<Index>& picks,
                                bool streams = false) {
@@ -267,11 +267,13 @@ void colmajor_rows_match_alone(const LayerNorm<T>& ln, Index rows, unsigned seed
   const auto dyl = randn<T>(static_cast<std::size_t>(rows * n), seed + 1);
   const auto xc = to_colmajor(xl, rows, n), dyc = to_colmajor(dyl, rows, n);
   MapC<T, Eigen::ColMajor> x(xc.data(), rows, n), dy(dyc.data(), rows, n);
-  const Mat<T, Eigen::ColMajor> y = ln(x);
+  Mat<T, Eigen::ColMajor> y(rows, n), dx(rows, n), dxs(rows, n);
+  NormStats<T> st;
+  ln.forward(x, y, st);
   if (streams) {
     ASSERT_TRUE(normcore::detail::can_stream_colmajor(xc.data(), y.data(), rows, n));
   }
-  Mat<T, Eigen::ColMajor> dx(rows, n);
+  ln.backward(x, dy, &dxs, nullptr, nullptr, &st);
   ln.backward(x, dy, &dx, nullptr, nullptr);
   for (const Index i : picks) {
     MapC<T, Eigen::ColMajor> x1(xl.data() + i * n, 1, n), dy1(dyl.data() + i * n, 1, n);
@@ -280,6 +282,7 @@ void colmajor_rows_match_alone(const LayerNorm<T>& ln, Index rows, unsigned seed
     ln.backward(x1, dy1, &dx1, nullptr, nullptr);
     for (Index j = 0; j < n; ++j) {
       ASSERT_EQ(std::memcmp(&y1(0, j), &y(i, j), sizeof(T)), 0) << "y, row " << i << " j=" << j;
+      ASSERT_EQ(std::memcmp(&dx1(0, j), &dxs(i, j), sizeof(T)), 0) << "dx (saved), row " << i << " j=" << j;
       ASSERT_EQ(std::memcmp(&dx1(0, j), &dx(i, j), sizeof(T)), 0) << "dx, row " << i << " j=" << j;
     }
   }
@@ -287,7 +290,7 @@ void colmajor_rows_match_alone(const LayerNorm<T>& ln, Index rows, unsigned seed
 
 // ColMajor kernels take up to four packets of rows side by side (forward:
 // whole blocks of 4, then 2, then 1 packets, then padded leftovers;
-// backward: the same within each row group, groups of whole packets): a
+// backward: the same within each chunk of rows): a
 // row's y and dx must not depend on which block, or which packet of it, it
 // lands in. Every row of 700- and 1130-row batches against the row alone
 // (with 16-, 8- and 4-value packets these batches reach every block size
@@ -326,6 +329,25 @@ TYPED_TEST(LayerNormTest, ColMajorLargeInputsAndLongRowsBitForBit) {
     colmajor_rows_match_alone(ln, rows, 20, every_row(rows, 37), streams);
   }
   check_against_reference<T, Eigen::ColMajor>(1130, 600, 51, 0.5);
+}
+
+// The ColMajor backward takes a part's rows in chunks of
+// detail::kLanePackets packets that cross row groups, in segments of
+// several chunks (detail::colmajor_backward_chunk; RMSNormTest's test of
+// the same name, whose layer also tiles, has the same shapes): short rows
+// (2500x64, with leftover rows), longer ones (700x300), a power-of-two
+// row count (512x300) and rows of 1100 (100 rows, leftover rows). Every
+// 7th row's y and dx the bits of the row alone, and the reference (dweight
+// and dbias within tolerance).
+TYPED_TEST(LayerNormTest, ColMajorBackwardWaysBitForBit) {
+  using T = TypeParam;
+  for (const auto& [rows, n] : {std::pair<Index, Index>{2500, 64}, {700, 300}, {512, 300}, {100, 1100}}) {
+    SCOPED_TRACE(::testing::Message() << rows << "x" << n);
+    LayerNorm<T> ln(LayerNormOptions({n}));
+    randomize_params(ln, 11);
+    colmajor_rows_match_alone(ln, rows, 28, every_row(rows, 7));
+    check_against_reference<T, Eigen::ColMajor>(rows, n, 53, 0.5);
+  }
 }
 
 // Fewer rows than one block of the parameter sums (64) write dweight and
@@ -629,9 +651,8 @@ TYPED_TEST(LayerNormTest, ShortRowBackwardInPlaceSameBits) {
 // for bit, the parameter gradients unchanged.
 TYPED_TEST(LayerNormTest, ColMajorBackwardInPlaceSameBits) {
   using T = TypeParam;
-  const Index rows = 37;
-  for (Index n : {Index(7), Index(50), Index(1000)}) {
-    SCOPED_TRACE(::testing::Message() << "n=" << n);
+  for (const auto& [rows, n] : {std::pair<Index, Index>{37, 7}, {37, 50}, {37, 1000}, {512, 300}, {2500, 64}}) {
+    SCOPED_TRACE(::testing::Message() << rows << "x" << n);
     LayerNorm<T> ln(LayerNormOptions({n}));
     randomize_params(ln, 3);
     const auto xs = randn<T>(static_cast<std::size_t>(rows * n), 21, 1.5, 2.0);

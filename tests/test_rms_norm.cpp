@@ -524,7 +524,7 @@ TYPED_TEST(RMSNormTest, ColMajorSubnormalRstdInLaterGroupBitForBit) {
 }
 
 // The ColMajor backward takes each part's rows in one of three ways
-// (RMSNorm::backward_colmajor): rows of at most 1 KB in chunks of 1 KB of
+// (detail::colmajor_backward_chunk): rows of at most 1 KB in chunks of 1 KB of
 // each feature's values, segments of several chunks (2500x64, with
 // leftover rows); longer rows in chunks of detail::kLanePackets packets
 // (700x300); or the whole part at once, where the row count times the

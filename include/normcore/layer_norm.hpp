@@ -910,10 +910,12 @@ class LayerNorm {
     constexpr bool wide = !std::is_same<S, T>::value;  // 16-bit RowMajor rows
     constexpr bool staged = wide && !detail::packet_io<S, L>();
     const Index n = xv.cols, rows = xv.rows;
-    // Fixed groups of rows (boundaries on kRowBlock, or on packets for
-    // ColMajor), at most kGroups: parameter gradients are summed per group
-    // and the groups added in order, whatever the number of threads.
-    const Index align = xv.row_major ? kRowBlock : L;
+    // Fixed groups of rows (boundaries on kRowBlock, or for ColMajor on
+    // blocks of detail::kLanePackets packets, which the lane kernels never
+    // split between groups), at most kGroups: parameter gradients are summed
+    // per group and the groups added in order, whatever the number of
+    // threads.
+    const Index align = xv.row_major ? kRowBlock : Index(detail::kLanePackets) * L;
     const Index units = (rows + align - 1) / align;
     const Index groups = std::max<Index>(1, std::min<Index>(units, kGroups));
     const detail::Split gsplit{rows, groups, align};
@@ -984,6 +986,13 @@ class LayerNorm {
     const auto pv = detail::param_view(!xv.row_major, options_.normalized_shape(), prm.gamma,
                                        static_cast<const T*>(nullptr), n);
     detail::run_parts(device, parts, [&](Index p) {
+      if constexpr (!wide) {  // (16-bit ColMajor inputs arrive widened)
+        if (!xv.row_major) {
+          backward_colmajor(xv.data, dyp, dxp, dhp, rows, n, gsplit, psplit.begin(p), psplit.begin(p + 1), mean, rstd,
+                            pv.gamma, dweight ? dw_part : nullptr, dbias ? db_part : nullptr);
+          return;
+        }
+      }
       // 16-bit rows: each packet widened as it is loaded where the build
       // converts whole packets (detail::packet_io); else sub-blocks widened
       // into float buffers (whole kRowBlock blocks when they are small, so
@@ -1010,7 +1019,7 @@ class LayerNorm {
             if (dxp) detail::convert_n(bdx, dxp + b0 * n, m * n);
           }
           if (acc.rows) acc.flush(dw, db);
-        } else if (xv.row_major) {
+        } else {
           const auto rows_of = [&](auto stream) {
             backward_rows<decltype(stream)::value>(xv.data + r0 * n, dyp + r0 * n, dxp ? dxp + r0 * n : nullptr,
                                                    r1 - r0, n, mean + r0, rstd + r0, pv.gamma, dw, db,
@@ -1026,10 +1035,6 @@ class LayerNorm {
           } else if (acc.rows) {
             acc.flush(dw, db);
           }
-        } else if constexpr (!wide) {  // (16-bit ColMajor inputs arrive widened)
-          const detail::ColMajorResidual<T> residual(dxp, dhp, rows, n, r0, r1);  // added after
-          backward_colmajor(xv.data, dyp, dxp, rows, r0, r1, n, mean, rstd, pv.gamma, dw, db);
-          residual.add_to(dxp);
         }
       }
       if (stream_dx) detail::stream_fence();
@@ -1387,105 +1392,169 @@ class LayerNorm {
     }
   }
 
-  // ColMajor: element (r, j) at [j * rows + r]; the same arithmetic, with a
-  // packet of rows per step and scalar leftover rows.
-  static void backward_colmajor(const T* x, const T* dy, T* dx, Index rows, Index r0, Index r1,
-                                Index n, const T* mean, const T* rstd, const T* gamma, double* dw,
-                                double* db) {
+  // ColMajor rows of one part (groups [G0, G1) of gsplit), element (r, j)
+  // at [j * rows + r]: dx, plus dh (optional, added after), and each
+  // group's dweight and dbias sums at dw_part and db_part + group * n (null:
+  // not wanted). Chunks of detail::kLanePackets packets of rows, crossing
+  // row groups (detail::colmajor_backward_chunk, untiled), in segments of up
+  // to detail::kSegmentBytes of x, each with its dh; whole packets of rows
+  // through lane_passes, fewer than L rows left over through the same passes
+  // on a padded copy whose padding lanes repeat the last row and are masked
+  // out of the sums.
+  static void backward_colmajor(const T* x, const T* dy, T* dx, const T* dh, Index rows, Index n,
+                                const detail::Split& gsplit, Index G0, Index G1, const T* mean, const T* rstd,
+                                const T* gamma, double* dw_part, double* db_part) {
     constexpr int L = detail::simd<T>::L;
-    r0 = detail::for_lane_blocks<kBackwardLanePackets>(r0, r1, L, [&](auto k_c, Index i) {
-      constexpr int K = decltype(k_c)::value;
-      backward_lanes<K>(x + i, dy + i, dx ? dx + i : nullptr, rows, n, mean + i, rstd + i, gamma, dw, db, K * L);
-    });
-    if (r0 < r1) {
-      // Leftover rows: the same packet code on a padded copy (see forward).
-      // Padding lanes repeat a real row and are masked out of dw/db.
-      const Index m = r1 - r0;
-      std::vector<T> tmp(static_cast<std::size_t>(3 * L * n + 2 * L));
-      T* tx = tmp.data();
-      T* tdy = tx + L * n;
-      T* tdx = tdy + L * n;
-      T* ts = tdx + L * n;
-      detail::gather_lanes(x, rows, r0, m, n, Index(L), tx);
-      detail::gather_lanes(dy, rows, r0, m, n, Index(L), tdy);
-      detail::gather_values(mean, r0, m, Index(L), ts);
-      detail::gather_values(rstd, r0, m, Index(L), ts + L);
-      backward_lanes<1>(tx, tdy, dx ? tdx : nullptr, L, n, ts, ts + L, gamma, dw, db, m);
-      if (dx) detail::scatter_lanes(tdx, rows, r0, m, n, Index(L), dx);
+    const Index R0 = gsplit.begin(G0), R1 = gsplit.begin(G1);
+    const Index chunk = detail::colmajor_backward_chunk<T>(rows, n, false);
+    const Index seg = chunk ? detail::colmajor_segment_rows<T>(chunk, n) : R1 - R0;
+    // Per packet of a segment, its group; per row of a chunk, the passes'
+    // sums and coefficients (lane_passes).
+    const Index sp = (std::min(seg, R1 - R0) + L - 1) / L;
+    detail::Scratch<Index> group(static_cast<std::size_t>(sp), false);
+    detail::Scratch<T> work(static_cast<std::size_t>(4 * std::max<Index>(chunk ? chunk : sp * L, L)), false);
+    Index gi = G0;
+    for (Index s0 = R0; s0 < R1; s0 += seg) {
+      const Index s1 = std::min(R1, s0 + seg), m = s1 - s0, mw = m / L * L;
+      const detail::ColMajorResidual<T> residual(dx, dh, rows, n, s0, s1);  // added after
+      for (Index p = 0; p * L < m; ++p) {
+        while (gsplit.begin(gi + 1) <= s0 + p * L) ++gi;
+        group.data()[p] = gi;
+      }
+      for (Index c0 = 0; c0 < mw; c0 += chunk ? chunk : mw) {
+        const Index c1 = chunk ? std::min(mw, c0 + chunk) : mw;
+        const Index i = s0 + c0;
+        lane_passes(x + i, dy + i, dx ? dx + i : nullptr, rows, c1 - c0, n, mean + i, rstd + i, gamma,
+                    group.data() + c0 / L, dw_part, db_part, c1 - c0, work.data());
+      }
+      if (mw < m) {
+        const Index k = m - mw, i0 = s0 + mw;
+        std::vector<T> tmp(static_cast<std::size_t>(3 * L * n + 2 * L));
+        T* tx = tmp.data();
+        T* tdy = tx + L * n;
+        T* tdx = tdy + L * n;
+        T* ts = tdx + L * n;
+        detail::gather_lanes(x, rows, i0, k, n, Index(L), tx);
+        detail::gather_lanes(dy, rows, i0, k, n, Index(L), tdy);
+        detail::gather_values(mean, i0, k, Index(L), ts);
+        detail::gather_values(rstd, i0, k, Index(L), ts + L);
+        lane_passes(tx, tdy, dx ? tdx : nullptr, L, L, n, ts, ts + L, gamma, group.data() + mw / L, dw_part,
+                    db_part, k, work.data());
+        if (dx) detail::scatter_lanes(tdx, rows, i0, k, n, Index(L), dx);
+      }
+      residual.add_to(dx);
     }
   }
 
-  // K packets of rows with leading dimension ld; only the first `active`
-  // lanes contribute to dw and db. Each lane's arithmetic is the same
-  // whatever K, and dw[j] and db[j] take the packets' terms in lane order,
-  // so the same bits as K calls of one packet.
-  template <int K>
-  static void backward_lanes(const T* x, const T* dy, T* dx, Index ld, Index n, const T* mean,
-                             const T* rstd, const T* gamma, double* dw, double* db, Index active) {
+  // The two passes over m rows (whole packets) of a ColMajor block with
+  // leading dimension ld; only the first `active` rows count in dweight
+  // and dbias. The first sums each row's g, g * (x - mean) and x - mean
+  // (g = dy * gamma) in T, features in order; the second writes dx and adds
+  // each packet's terms to its group's sums (group: one per packet; the
+  // sums at dw_part and db_part + group * n, null: none), feature by
+  // feature, packets in row order; `work` holds 4 * m
+  // values (the rows' sums, then coefficients, and mask). Blocks of
+  // kBackwardLanePackets packets go down a tile of features
+  // (detail::lane_tile) in both passes. A lane's arithmetic, and the order
+  // of each sum, do not depend on the blocks or tiles: the same bits for any
+  // row count, part or chunk.
+  static void lane_passes(const T* x, const T* dy, T* dx, Index ld, Index m, Index n, const T* mean,
+                          const T* rstd, const T* gamma, const Index* group, double* dw_part, double* db_part,
+                          Index active, T* work) {
     using namespace Eigen::internal;
     using Packet = typename detail::simd<T>::Packet;
     constexpr int L = detail::simd<T>::L;
-    alignas(64) T buf[3][K * L];
-    Packet pp[K], pr[K], sg[K], sgd[K], sd[K];
-    NORMCORE_UNROLL
-    for (int k = 0; k < K; ++k) {
-      pp[k] = ploadu<Packet>(mean + k * L);
-      pr[k] = ploadu<Packet>(rstd + k * L);
-      sg[k] = sgd[k] = sd[k] = pset1<Packet>(T(0));
-    }
-    for (Index j = 0; j < n; ++j) {
-      const T* xj = x + j * ld;
-      const T* yj = dy + j * ld;
-      const Packet gmj = pset1<Packet>(gamma ? gamma[j] : T(1));
-      NORMCORE_UNROLL
-      for (int k = 0; k < K; ++k) {
-        Packet g = ploadu<Packet>(yj + k * L);
-        if (gamma) g = pmul(g, gmj);
-        const Packet d = psub(ploadu<Packet>(xj + k * L), pp[k]);
-        sg[k] = padd(sg[k], g);
-        sgd[k] = pmadd(g, d, sgd[k]);
-        sd[k] = padd(sd[k], d);
-      }
-    }
-    NORMCORE_UNROLL
-    for (int k = 0; k < K; ++k) {
-      pstoreu(buf[0] + k * L, sg[k]);
-      pstoreu(buf[1] + k * L, sgd[k]);
-      pstoreu(buf[2] + k * L, sd[k]);
-    }
-    alignas(64) T k3[K * L], k4[K * L], xs[K * L], mask[K * L];
-    for (int l = 0; l < K * L; ++l) {
-      const auto bc = detail::backward_coeffs<T>(static_cast<double>(buf[0][l]), static_cast<double>(buf[1][l]),
-                                                 static_cast<double>(buf[2][l]), n, rstd[l]);
-      k3[l] = bc.k3;
-      k4[l] = bc.k4;
-      xs[l] = bc.xs;
-      mask[l] = l < active ? T(1) : T(0);
-    }
-    Packet p3[K], p4[K], pxs[K], pm[K];
-    NORMCORE_UNROLL
-    for (int k = 0; k < K; ++k) {
-      p3[k] = ploadu<Packet>(k3 + k * L);
-      p4[k] = ploadu<Packet>(k4 + k * L);
-      pxs[k] = ploadu<Packet>(xs + k * L);
-      pm[k] = ploadu<Packet>(mask + k * L);
-    }
-    for (Index j = 0; j < n; ++j) {
-      const T* xj = x + j * ld;
-      const T* yj = dy + j * ld;
-      const Packet gmj = pset1<Packet>(gamma ? gamma[j] : T(1));
-      NORMCORE_UNROLL
-      for (int k = 0; k < K; ++k) {
-        const Packet dyv = ploadu<Packet>(yj + k * L);
-        const Packet xh = pmadd(psub(ploadu<Packet>(xj + k * L), pp[k]), pr[k], pxs[k]);
-        if (dx) {
-          const Packet g = gamma ? pmul(dyv, gmj) : dyv;
-          pstoreu(dx + j * ld + k * L, pmadd(g, pr[k], pnegate(pmadd(xh, p3[k], p4[k]))));
+    const Index tile = detail::lane_tile<T>(m, Index(kBackwardLanePackets) * L, n);
+    // Per row: the three sums, then the coefficients of the second pass.
+    std::fill(work, work + 3 * m, T(0));
+    T* const sg = work;
+    T* const sgd = sg + m;
+    T* const sd = sgd + m;
+    T* const mk = sd + m;
+    for (Index t0 = 0; t0 < n; t0 += tile) {
+      const Index t1 = std::min(n, t0 + tile);
+      detail::for_lane_blocks<kBackwardLanePackets>(0, m, L, [&](auto k_c, Index c0) {
+        constexpr int K = decltype(k_c)::value;
+        const T* const xb = x + c0;
+        const T* const yb = dy + c0;
+        Packet pp[K], a[K], b[K], c[K];
+        NORMCORE_UNROLL
+        for (int k = 0; k < K; ++k) {
+          pp[k] = ploadu<Packet>(mean + c0 + k * L);
+          a[k] = ploadu<Packet>(sg + c0 + k * L);
+          b[k] = ploadu<Packet>(sgd + c0 + k * L);
+          c[k] = ploadu<Packet>(sd + c0 + k * L);
         }
-        const Packet dym = pmul(dyv, pm[k]);
-        if (dw) dw[j] += static_cast<double>(predux(pmul(dym, xh)));
-        if (db) db[j] += static_cast<double>(predux(dym));
-      }
+        for (Index j = t0; j < t1; ++j) {
+          const Packet gmj = pset1<Packet>(gamma ? gamma[j] : T(1));
+          NORMCORE_UNROLL
+          for (int k = 0; k < K; ++k) {
+            Packet g = ploadu<Packet>(yb + j * ld + k * L);
+            if (gamma) g = pmul(g, gmj);
+            const Packet d = psub(ploadu<Packet>(xb + j * ld + k * L), pp[k]);
+            a[k] = padd(a[k], g);
+            b[k] = pmadd(g, d, b[k]);
+            c[k] = padd(c[k], d);
+          }
+        }
+        NORMCORE_UNROLL
+        for (int k = 0; k < K; ++k) {
+          pstoreu(sg + c0 + k * L, a[k]);
+          pstoreu(sgd + c0 + k * L, b[k]);
+          pstoreu(sd + c0 + k * L, c[k]);
+        }
+      });
+    }
+    // The coefficients, in place: sg -> k3, sgd -> k4, sd -> xs.
+    for (Index l = 0; l < m; ++l) {
+      const auto bc = detail::backward_coeffs<T>(static_cast<double>(sg[l]), static_cast<double>(sgd[l]),
+                                                 static_cast<double>(sd[l]), n, rstd[l]);
+      sg[l] = bc.k3;
+      sgd[l] = bc.k4;
+      sd[l] = bc.xs;
+      mk[l] = l < active ? T(1) : T(0);
+    }
+    for (Index t0 = 0; t0 < n; t0 += tile) {
+      const Index t1 = std::min(n, t0 + tile);
+      detail::for_lane_blocks<kBackwardLanePackets>(0, m, L, [&](auto k_c, Index c0) {
+        constexpr int K = decltype(k_c)::value;
+        const Index gi = group[c0 / L];  // (a block lies in one group: see backward_impl)
+        eigen_assert(group[c0 / L + K - 1] == gi);
+        // Locals, not the captured references: Eigen's packet stores may
+        // alias anything, so the compiler would reload those after each one.
+        const T* const xb = x + c0;
+        const T* const yb = dy + c0;
+        T* const db = dx ? dx + c0 : nullptr;
+        const T* const gl = gamma;
+        const Index ldl = ld, j0 = t0, j1 = t1;
+        double* const dwl = dw_part ? dw_part + gi * n : nullptr;
+        double* const dbl = db_part ? db_part + gi * n : nullptr;
+        Packet pp[K], pr[K], p3[K], p4[K], pxs[K], pm[K];
+        NORMCORE_UNROLL
+        for (int k = 0; k < K; ++k) {
+          pp[k] = ploadu<Packet>(mean + c0 + k * L);
+          pr[k] = ploadu<Packet>(rstd + c0 + k * L);
+          p3[k] = ploadu<Packet>(sg + c0 + k * L);
+          p4[k] = ploadu<Packet>(sgd + c0 + k * L);
+          pxs[k] = ploadu<Packet>(sd + c0 + k * L);
+          pm[k] = ploadu<Packet>(mk + c0 + k * L);
+        }
+        for (Index j = j0; j < j1; ++j) {
+          const Packet gmj = pset1<Packet>(gl ? gl[j] : T(1));
+          NORMCORE_UNROLL
+          for (int k = 0; k < K; ++k) {
+            const Packet dyv = ploadu<Packet>(yb + j * ldl + k * L);
+            const Packet xh = pmadd(psub(ploadu<Packet>(xb + j * ldl + k * L), pp[k]), pr[k], pxs[k]);
+            if (db) {
+              const Packet g = gl ? pmul(dyv, gmj) : dyv;
+              pstoreu(db + j * ldl + k * L, pmadd(g, pr[k], pnegate(pmadd(xh, p3[k], p4[k]))));
+            }
+            const Packet dym = pmul(dyv, pm[k]);
+            if (dwl) dwl[j] += static_cast<double>(predux(pmul(dym, xh)));
+            if (dbl) dbl[j] += static_cast<double>(predux(dym));
+          }
+        }
+      });
     }
   }
 

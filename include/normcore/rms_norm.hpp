@@ -301,8 +301,7 @@ class RMSNorm {
       // back, a tile at a time.
       const Index m = i0 - r0;
       constexpr Index kBlock = Index(detail::kRegisterLanePackets) * L;
-      const Index tile = m > kBlock ? std::max<Index>(4, detail::kLaneTileBytes / (m * Index(sizeof(T))))
-                                    : Index(detail::kChunk);
+      const Index tile = detail::lane_tile<T>(m, kBlock, detail::kChunk);
       detail::Scratch<T> acc(static_cast<std::size_t>(m), false);
       detail::Scratch<double> sum(static_cast<std::size_t>(m), true);
       for (Index j0 = 0; j0 < n; j0 += detail::kChunk) {
@@ -720,7 +719,9 @@ class RMSNorm {
     }
     if (saved) detail::check_stats(kWho, saved->rstd, "rstd", xv.rows);
     const Index rows = xv.rows, n = xv.cols;
-    const Index align = xv.row_major ? kRowBlock : L;
+    // Groups of rows as LayerNorm's backward takes them: on kRowBlock, or
+    // for ColMajor on blocks of detail::kLanePackets packets.
+    const Index align = xv.row_major ? kRowBlock : Index(detail::kLanePackets) * L;
     const Index units = (rows + align - 1) / align;
     const Index groups = std::max<Index>(1, std::min<Index>(units, kGroups));
     const detail::Split gsplit{rows, groups, align};
@@ -1112,65 +1113,31 @@ class RMSNorm {
 
   // ColMajor rows of one part (whole groups [G0, G1) of gsplit): dx, plus
   // dh (optional, added after), and each group's dweight sums in
-  // dw_part + group * n (null: no dweight). Rows in whole packets take two
-  // passes (lane_passes) over one of:
-  // * chunks of rows, each down all the features in the first pass and
-  //   again in the second, so that the second reads the chunk's x and dy
-  //   from the cache: rows of at most kNarrowRowBytes in chunks of
-  //   kNarrowRowBytes of each feature's values (256 floats), longer rows in
-  //   chunks of detail::kLanePackets packets;
-  // * the whole part at once, each pass a tile of features at a time
-  //   through blocks of rows, so that both read x and dy front to back:
-  //   where a chunk would not stay in the cache, that is rows longer than
-  //   kNarrowRowBytes whose leading dimension (rows * sizeof(T)) is a
-  //   multiple of kAliasingStrideBytes, which puts a chunk's lines of all
-  //   the features into a few cache sets, or whose chunk of x and dy takes
-  //   more than kBlockCacheBytes.
-  // Chunks go in segments of up to kSegmentBytes of x, each with its rstd
-  // (recomputed, without saved statistics, just before the passes read x
-  // again) and its dh. Fewer than L rows left over go through the same
-  // passes on a padded copy. A row whose rstd is not a normal T gets rstd 0
-  // and mask 0 in the passes and is redone exactly: its dx in its segment,
-  // its dweight terms after all the part's packets (as each group's sums
-  // always took them: its packets in row order, then its exact rows).
-  //
-  // Each group used to take its own passes in blocks of up to four packets
-  // of rows (at 512 rows a group is 32 rows: two packets). Measured on the
-  // Zen 5 guest (float, 1 thread, 5 shuffled rounds, new / old time, with
-  // saved rstd; recomputed in brackets): 0.75x (0.67x) at 64x768, 0.66x
-  // (0.50x) at 512x768, 0.82x (0.77x) at 4096x1024, 0.71x (0.75x) at
-  // 16384x4096, 0.76x (0.85x) at 65536x64, 0.80x (0.81x) at 2048x50, 0.90x
-  // (0.86x) at 100000x50, 0.88x (0.86x) at 16384x256, 0.80x (0.81x) at
-  // 640x768, 0.88x (0.89x) at 2000x2000, 0.96x (0.84x) at 12345x512, 1.01x
-  // (0.99x) at 1000x1000. The whole part alone took 1.28-2.3x the old time
-  // where the old chunks stayed in the cache (1000x1000, 10000x1000,
-  // 12345x512, 20000x300); chunks of four packets alone 1.2x at 100000x50.
-  static constexpr Index kNarrowRowBytes = 1024;
-  static constexpr Index kAliasingStrideBytes = 1024;
-  static constexpr Index kBlockCacheBytes = 512 * 1024;
-  static constexpr Index kSegmentBytes = 256 * 1024;
+  // dw_part + group * n (null: no dweight). Chunks of rows or the whole part
+  // (detail::colmajor_backward_chunk), in segments of up to
+  // detail::kSegmentBytes of x, each with its rstd (recomputed, without
+  // saved statistics, just before the passes read x again) and its dh.
+  // Whole packets of rows go through lane_passes; fewer than L rows left
+  // over through the same passes on a padded copy. A row whose rstd is not
+  // a normal T gets rstd 0 and mask 0 in the passes and is redone exactly:
+  // its dx in its segment, its dweight terms after all the part's packets
+  // (as each group's sums always took them: its packets in row order, then
+  // its exact rows).
   void backward_colmajor(const detail::Matrix2D<T>& xv, const T* dyp, T* dx, const T* dhp, const detail::Split& gsplit,
                          Index G0, Index G1, const T* g, double* dw_part, const NormStats<T>* saved) const {
     constexpr int L = detail::simd<T>::L;
     const Index rows = xv.rows, n = xv.cols;
     const Index R0 = gsplit.begin(G0), R1 = gsplit.begin(G1);
-    const Index row_bytes = n * Index(sizeof(T));
-    const bool narrow = row_bytes <= kNarrowRowBytes;
-    const Index chunk = narrow ? kNarrowRowBytes / Index(sizeof(T)) : Index(detail::kLanePackets) * L;
-    const bool whole = !narrow && ((rows * Index(sizeof(T))) % kAliasingStrideBytes == 0 ||
-                                   2 * chunk * row_bytes > kBlockCacheBytes);
-    // Segments of the part, each with its rstd and coefficients: the whole
-    // part, or runs of chunks of up to kSegmentBytes of x (whose rstd is
-    // recomputed just before the passes read them again).
-    const Index seg = whole ? R1 - R0 : chunk * std::max<Index>(1, kSegmentBytes / (chunk * row_bytes));
+    const Index chunk = detail::colmajor_backward_chunk<T>(rows, n, true);
+    const Index seg = chunk ? detail::colmajor_segment_rows<T>(chunk, n) : R1 - R0;
     const Index sp = (std::min(seg, R1 - R0) + L - 1) / L * L;  // a segment's rows, padded
     const auto at = [](Index i) { return static_cast<std::size_t>(i); };
     // Per row of a segment: rstd in W, rstd in T (0 on the exact path), the
     // passes' coefficient, 1 where the row's dweight terms count; per packet,
-    // its group's dweight sums.
+    // its group.
     detail::Scratch<W> rg_(at(sp), false);
     detail::Scratch<T> coef(at(3 * sp), false);
-    detail::Scratch<double*> dwk(at(sp / L), false);
+    detail::Scratch<Index> group(at(sp / L), false);
     W* const rg = rg_.data();
     T* const rt = coef.data();
     T* const nc = rt + sp;
@@ -1220,13 +1187,13 @@ class RMSNorm {
       }
       for (Index p = 0; p * L < m; ++p) {
         gi = group_of(s0 + p * L, gi);
-        dwk.data()[p] = dw_part ? dw_part + gi * n : nullptr;
+        group.data()[p] = gi;
       }
       const Index mw = m / L * L;
-      for (Index c0 = 0; c0 < mw; c0 += whole ? mw : chunk) {
-        const Index c1 = whole ? mw : std::min(mw, c0 + chunk);
+      for (Index c0 = 0; c0 < mw; c0 += chunk ? chunk : mw) {
+        const Index c1 = chunk ? std::min(mw, c0 + chunk) : mw;
         lane_passes(xv.data + s0 + c0, dyp + s0 + c0, dx ? dx + s0 + c0 : nullptr, rows, c1 - c0, n, g, rt + c0,
-                    nc + c0, mk + c0, dwk.data() + c0 / L);
+                    nc + c0, mk + c0, group.data() + c0 / L, dw_part);
       }
       if (mw < m) {
         // The leftover rows (the part's last) on a copy padded to a packet:
@@ -1242,7 +1209,8 @@ class RMSNorm {
           rt[mw + l] = rt[mw + k - 1];
           mk[mw + l] = T(0);
         }
-        lane_passes(tx, tdy, dx ? tdx : nullptr, L, L, n, g, rt + mw, nc + mw, mk + mw, dwk.data() + mw / L);
+        lane_passes(tx, tdy, dx ? tdx : nullptr, L, L, n, g, rt + mw, nc + mw, mk + mw, group.data() + mw / L,
+                    dw_part);
         if (dx) detail::scatter_lanes(tdx, rows, i0, k, n, Index(L), dx);
       }
       // The exact path's dx: the row's sums in long double.
@@ -1278,21 +1246,21 @@ class RMSNorm {
   // leading dimension ld, rstd rt (T) and dweight mask mk: the first takes
   // each row's sum of g * x in T, features in order, into nc, then turns it
   // into -rstd * mean(g * x); the second writes dx and adds each packet's
-  // dy * x_hat to its group's dweight sums (dwk, one per packet; null: none)
-  // feature by feature, packets in row order. Blocks of packets side by
-  // side (up to detail::kRegisterLanePackets in the first pass,
-  // detail::kLanePackets in the second) go down a tile of features
-  // (detail::kLaneTileBytes of rows, at least 4) when there are several
-  // blocks, else all of them. A lane's arithmetic, and the order of each
-  // sum, do not depend on the blocks or tiles: the same bits for any row
-  // count, part or chunk.
+  // dy * x_hat to its group's dweight sums (group: one per packet; the
+  // sums at dw_part + group * n, null: none) feature by feature, packets in
+  // row order. Blocks of packets side by side (up to
+  // detail::kRegisterLanePackets in the first pass, detail::kLanePackets in
+  // the second) go down a tile of features (detail::lane_tile: all of them
+  // for one block). A lane's arithmetic, and the order of each sum, do not
+  // depend on the blocks or tiles: the same bits for any row count, part or
+  // chunk.
   static void lane_passes(const T* x, const T* dy, T* dx, Index ld, Index m, Index n, const T* g, const T* rt, T* nc,
-                          const T* mk, double* const* dwk) {
+                          const T* mk, const Index* group, double* dw_part) {
     using namespace Eigen::internal;
     using Packet = typename detail::simd<T>::Packet;
     constexpr int L = detail::simd<T>::L;
     constexpr Index kBlock = Index(detail::kRegisterLanePackets) * L;
-    const Index tile = m > kBlock ? std::max<Index>(4, detail::kLaneTileBytes / (m * Index(sizeof(T)))) : n;
+    const Index tile = detail::lane_tile<T>(m, kBlock, n);
     std::fill(nc, nc + m, T(0));
     for (Index t0 = 0; t0 < n; t0 += tile) {
       const Index t1 = std::min(n, t0 + tile);
@@ -1325,6 +1293,8 @@ class RMSNorm {
       const Index t1 = std::min(n, t0 + tile);
       detail::for_lane_blocks<detail::kLanePackets>(0, m, L, [&](auto k_c, Index c0) {
         constexpr int K = decltype(k_c)::value;
+        const Index gi = group[c0 / L];  // (a block lies in one group: see backward_impl)
+        eigen_assert(group[c0 / L + K - 1] == gi);
         // Locals, not the captured references: Eigen's packet stores may
         // alias anything, so the compiler would reload those after each one.
         const T* const xb = x + c0;
@@ -1332,14 +1302,13 @@ class RMSNorm {
         T* const db = dx ? dx + c0 : nullptr;
         const T* const gl = g;
         const Index ldl = ld, j0 = t0, j1 = t1;
+        double* const dwl = dw_part ? dw_part + gi * n : nullptr;
         Packet pr[K], pnc[K], pm[K];
-        double* dwl[K];
         NORMCORE_UNROLL
         for (int k = 0; k < K; ++k) {
           pr[k] = ploadu<Packet>(rt + c0 + k * L);
           pnc[k] = ploadu<Packet>(nc + c0 + k * L);
           pm[k] = ploadu<Packet>(mk + c0 + k * L);
-          dwl[k] = dwk[c0 / L + k];
         }
         for (Index j = j0; j < j1; ++j) {
           const Packet gmj = pset1<Packet>(gl ? gl[j] : T(1));
@@ -1351,7 +1320,7 @@ class RMSNorm {
               const Packet gv = gl ? pmul(dyv, gmj) : dyv;
               pstoreu(db + j * ldl + k * L, pmul(pr[k], pmadd(xh, pnc[k], gv)));  // as backward_rows
             }
-            if (dwl[k]) dwl[k][j] += static_cast<double>(predux(pmul(pmul(dyv, pm[k]), xh)));
+            if (dwl) dwl[j] += static_cast<double>(predux(pmul(pmul(dyv, pm[k]), xh)));
           }
         }
       });

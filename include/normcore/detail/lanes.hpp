@@ -38,6 +38,75 @@ Index for_lane_blocks(Index i0, Index i1, Index L, F&& f) {
   return i0;
 }
 
+/// Features per tile of a ColMajor lane kernel's walk over m rows (whole
+/// packets) in blocks of `block` rows: with more than one block, a tile of
+/// kLaneTileBytes of the rows' values (at least 4 features), which every
+/// block steps through before the next tile; else `all`.
+template <typename T>
+Index lane_tile(Index m, Index block, Index all) {
+  return m > block ? std::max<Index>(4, kLaneTileBytes / (m * Index(sizeof(T)))) : all;
+}
+
+/// How the ColMajor backwards take a part's rows: two passes (sums, then dx
+/// and the parameter gradients' sums) over
+/// * chunks of rows, each down all the features in the first pass and
+///   again in the second, so that the second reads the chunk's x and dy
+///   from the cache: chunks of kLanePackets packets;
+/// * with `tiled` (RMSNorm, one sum a row in its first pass): rows of at
+///   most kNarrowRowBytes in chunks of kNarrowRowBytes of each feature's
+///   values (256 floats), each pass a tile of features at a time
+///   (lane_tile); and the whole part at once, both passes a tile at a time
+///   through blocks of rows, so that both read x and dy front to back,
+///   where a chunk would not stay in the cache: rows longer than
+///   kNarrowRowBytes whose leading dimension (rows * sizeof(T)) is a
+///   multiple of kAliasingStrideBytes, which puts a chunk's lines of all
+///   the features into a few cache sets, or whose chunk of x and dy takes
+///   more than kBlockCacheBytes.
+/// Returns the chunk's rows, or 0 for the whole part. Chunks go in segments
+/// of up to kSegmentBytes of x (colmajor_segment_rows), each with its own
+/// statistics and residual. Chunks cross row groups; blocks of kLanePackets
+/// packets never do (the groups' boundaries are on them).
+///
+/// Each row group (of 16, boundaries on packets) used to take its own
+/// passes in blocks of up to four packets of rows (at 512 rows a group was
+/// 32 rows: two packets). Measured on the Zen 5 guest (float, 1 thread, 5
+/// shuffled rounds, new / old time, with saved statistics; recomputed in
+/// brackets), RMSNorm: 0.72x (0.69x) at 64x768, 0.52x (0.71x) at 512x768,
+/// 0.65x (0.59x) at 1024x768, 0.77x (0.81x) at 4096x1024, 0.73x (0.77x) at
+/// 16384x4096, 0.78x (0.88x) at 65536x64, 0.79x (0.80x) at 2048x50, 0.91x
+/// (0.91x) at 100000x50, 0.85x (0.81x) at 16384x256, 0.76x (0.82x) at
+/// 640x768, 0.95x (0.96x) at 2000x2000, 1.02x (0.94x) at 12345x512, 1.05x
+/// (1.13x) at 1000x1000. LayerNorm: 0.78x (0.80x) at 64x768, 0.76x (0.80x)
+/// at 512x768, 0.73x (0.78x) at 1024x768, 0.89x (1.05x) at 4096x1024,
+/// 0.91x (0.92x) at 640x768, 0.94x (0.99x) at 16384x256, 0.98-1.09x on the
+/// others. The whole part took LayerNorm 1.18-1.39x the time at 4096x1024
+/// and 2000x2000 (its three sums a row stored and reloaded every few
+/// features), and RMSNorm 1.28-2.3x where the chunks stay in the cache
+/// (1000x1000, 10000x1000, 12345x512, 20000x300); RMSNorm's chunks of four
+/// packets for the shortest rows 1.2x at 100000x50.
+constexpr Index kNarrowRowBytes = 1024;
+constexpr Index kAliasingStrideBytes = 1024;
+constexpr Index kBlockCacheBytes = 512 * 1024;
+constexpr Index kSegmentBytes = 256 * 1024;
+
+template <typename T>
+Index colmajor_backward_chunk(Index rows, Index n, bool tiled) {
+  constexpr Index s = sizeof(T);
+  const Index row_bytes = n * s;
+  const Index chunk = Index(kLanePackets) * simd<T>::L;
+  if (!tiled) return chunk;
+  if (row_bytes <= kNarrowRowBytes) return kNarrowRowBytes / s;
+  if ((rows * s) % kAliasingStrideBytes == 0 || 2 * chunk * row_bytes > kBlockCacheBytes) return 0;
+  return chunk;
+}
+
+/// Rows of a segment of chunks of `chunk` rows of n values: up to
+/// kSegmentBytes, at least one chunk.
+template <typename T>
+Index colmajor_segment_rows(Index chunk, Index n) {
+  return chunk * std::max<Index>(1, kSegmentBytes / (chunk * n * Index(sizeof(T))));
+}
+
 /// Copies rows r0..r0+m of an n-feature ColMajor block (leading dim ld) into
 /// dst (leading dim L), repeating the last real row into the padding lanes.
 template <typename T>
