@@ -529,7 +529,9 @@ TYPED_TEST(RMSNormTest, ColMajorSubnormalRstdInLaterGroupBitForBit) {
 // leftover rows); longer rows in chunks of detail::kLanePackets packets
 // (700x300); or the whole part at once, where the row count times the
 // value's size is a multiple of 1 KB (512x300) or a chunk would take more
-// than 512 KB (100x1100, with leftover rows). Each way: every 7th row's y
+// than 512 KB (100x1100, with leftover rows: so with AVX-512's packets;
+// with narrower packets a chunk is smaller and it takes chunks). Each
+// way: every 7th row's y
 // and dx the bits of the row alone, and y, dx and dweight the reference's.
 TYPED_TEST(RMSNormTest, ColMajorBackwardWaysBitForBit) {
   using T = TypeParam;
