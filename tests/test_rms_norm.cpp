@@ -520,6 +520,23 @@ TYPED_TEST(RMSNormTest, ColMajorSubnormalRstdInLaterGroupBitForBit) {
     rn.forward(x, y, st);
     ASSERT_FALSE(normcore::detail::normal_in<T>(static_cast<double>(st.rstd(pick))));
     colmajor_rows_match_alone(rn, xl, dyl, rows, {pick - 1, pick, pick + 1});
+    // In place: dx over dy (with dweight) and over x (saved statistics) give
+    // the out-of-place bits; the row is redone from copies of its x and dy.
+    const auto dyc = to_colmajor(dyl, rows, n);
+    Eigen::TensorMap<const Eigen::Tensor<T, 2, Eigen::ColMajor>> dy(dyc.data(), rows, n);
+    Eigen::Tensor<T, 2, Eigen::ColMajor> dx(rows, n);
+    Eigen::Tensor<T, 1> dw, dw2;
+    rn.backward(x, dy, &dx, &dw);
+    auto buf = dyc;
+    Eigen::TensorMap<Eigen::Tensor<T, 2, Eigen::ColMajor>> over_dy(buf.data(), rows, n);
+    rn.backward(x, over_dy, &over_dy, &dw2);
+    EXPECT_TRUE(bit_equal(dx.data(), buf.data(), static_cast<std::size_t>(rows * n))) << "dx over dy";
+    EXPECT_TRUE(bit_equal(dw.data(), dw2.data(), static_cast<std::size_t>(n))) << "dweight, dx over dy";
+    rn.backward(x, dy, &dx, nullptr, &st);
+    buf = xc;
+    Eigen::TensorMap<Eigen::Tensor<T, 2, Eigen::ColMajor>> over_x(buf.data(), rows, n);
+    rn.backward(over_x, dy, &over_x, nullptr, &st);
+    EXPECT_TRUE(bit_equal(dx.data(), buf.data(), static_cast<std::size_t>(rows * n))) << "dx over x";
   }
 }
 

@@ -1146,7 +1146,11 @@ class RMSNorm {
       while (gsplit.begin(gi + 1) <= i) ++gi;
       return gi;
     };
-    std::vector<std::pair<Index, W>> exact;  // rows on the exact path, redone after all the packets
+    // Rows on the exact path, redone after the packets, and their x and dy
+    // (row e at kept[2 * n * e], dy after x), kept before the passes write dx,
+    // which may lie over x or dy.
+    std::vector<std::pair<Index, W>> exact;
+    std::vector<T> kept;
     Index gi = G0;
     for (Index s0 = R0; s0 < R1; s0 += seg) {
       const Index s1 = std::min(R1, s0 + seg), m = s1 - s0;
@@ -1183,6 +1187,8 @@ class RMSNorm {
           if (detail::normal_in<T>(rg[i])) continue;
           rt[i] = mk[i] = T(0);
           exact.emplace_back(s0 + i, rg[i]);
+          for (Index j = 0; j < n; ++j) kept.push_back(xv.data[s0 + i + j * rows]);
+          for (Index j = 0; j < n; ++j) kept.push_back(dyp[s0 + i + j * rows]);
         }
       }
       for (Index p = 0; p * L < m; ++p) {
@@ -1216,15 +1222,17 @@ class RMSNorm {
       // The exact path's dx: the row's sums in long double.
       for (std::size_t e = first_exact; dx && e < exact.size(); ++e) {
         const auto [r, ri] = exact[e];
+        const T* const xr = kept.data() + 2 * static_cast<std::size_t>(n) * e;
+        const T* const yr = xr + n;
         long double sgx = 0;
         for (Index j = 0; j < n; ++j) {
-          const long double gj = static_cast<long double>(dyp[r + j * rows]) * (g ? static_cast<long double>(g[j]) : 1.0L);
-          sgx += gj * static_cast<long double>(xv.data[r + j * rows]) * ri;
+          const long double gj = static_cast<long double>(yr[j]) * (g ? static_cast<long double>(g[j]) : 1.0L);
+          sgx += gj * static_cast<long double>(xr[j]) * ri;
         }
         const long double c = sgx / static_cast<long double>(n);
         for (Index j = 0; j < n; ++j) {
-          const long double xh = static_cast<long double>(xv.data[r + j * rows]) * ri;
-          const long double gj = static_cast<long double>(dyp[r + j * rows]) * (g ? static_cast<long double>(g[j]) : 1.0L);
+          const long double xh = static_cast<long double>(xr[j]) * ri;
+          const long double gj = static_cast<long double>(yr[j]) * (g ? static_cast<long double>(g[j]) : 1.0L);
           dx[r + j * rows] = static_cast<T>(ri * (gj - xh * c));
         }
       }
@@ -1232,12 +1240,14 @@ class RMSNorm {
     }
     // The exact path's dweight terms, added straight into the row's group's
     // sums after all its packets'.
-    for (const auto& [r, ri] : exact) {
-      if (!dw_part) break;
+    for (std::size_t e = 0; dw_part && e < exact.size(); ++e) {
+      const auto [r, ri] = exact[e];
+      const T* const xr = kept.data() + 2 * static_cast<std::size_t>(n) * e;
+      const T* const yr = xr + n;
       double* const dwp = dw_part + group_of(r, G0) * n;
       for (Index j = 0; j < n; ++j) {
-        const long double xh = static_cast<long double>(xv.data[r + j * rows]) * ri;
-        dwp[j] += static_cast<double>(static_cast<long double>(dyp[r + j * rows]) * xh);
+        const long double xh = static_cast<long double>(xr[j]) * ri;
+        dwp[j] += static_cast<double>(static_cast<long double>(yr[j]) * xh);
       }
     }
   }
