@@ -1,5 +1,7 @@
 // 16-bit storage (bfloat16, half) and the fused residual norms.
+#ifndef EIGEN_USE_THREADS
 #define EIGEN_USE_THREADS
+#endif
 #include "test_util.hpp"
 
 namespace {
