@@ -1413,6 +1413,12 @@ class LayerNorm {
     const Index sp = (std::min(seg, R1 - R0) + L - 1) / L;
     detail::Scratch<Index> group(static_cast<std::size_t>(sp), false);
     detail::Scratch<T> work(static_cast<std::size_t>(4 * std::max<Index>(chunk ? chunk : sp * L, L)), false);
+    // Where the leading dimension puts a chunk's lines of all the features
+    // into a few cache sets (detail::colmajor_aliasing), the first pass also
+    // copies the chunk's x and dy side by side, for the second to read.
+    const bool copy = detail::colmajor_aliasing<T>(rows);
+    detail::Scratch<T> copies(copy ? static_cast<std::size_t>(2 * chunk * n) : 0, false);
+    T* const cx = copy ? copies.data() : nullptr;
     Index gi = G0;
     for (Index s0 = R0; s0 < R1; s0 += seg) {
       const Index s1 = std::min(R1, s0 + seg), m = s1 - s0, mw = m / L * L;
@@ -1425,7 +1431,7 @@ class LayerNorm {
         const Index c1 = chunk ? std::min(mw, c0 + chunk) : mw;
         const Index i = s0 + c0;
         lane_passes(x + i, dy + i, dx ? dx + i : nullptr, rows, c1 - c0, n, mean + i, rstd + i, gamma,
-                    group.data() + c0 / L, dw_part, db_part, c1 - c0, work.data());
+                    group.data() + c0 / L, dw_part, db_part, c1 - c0, work.data(), cx);
       }
       if (mw < m) {
         const Index k = m - mw, i0 = s0 + mw;
@@ -1449,18 +1455,22 @@ class LayerNorm {
   // The two passes over m rows (whole packets) of a ColMajor block with
   // leading dimension ld; only the first `active` rows count in dweight
   // and dbias. The first sums each row's g, g * (x - mean) and x - mean
-  // (g = dy * gamma) in T, features in order; the second writes dx and adds
-  // each packet's terms to its group's sums (group: one per packet; the
-  // sums at dw_part and db_part + group * n, null: none), feature by
-  // feature, packets in row order; `work` holds 4 * m
-  // values (the rows' sums, then coefficients, and mask). Blocks of
-  // kBackwardLanePackets packets go down a tile of features
-  // (detail::lane_tile) in both passes. A lane's arithmetic, and the order
-  // of each sum, do not depend on the blocks or tiles: the same bits for any
-  // row count, part or chunk.
+  // (g = dy * gamma) in T, features in order; the second writes dx and,
+  // feature by feature, sums each block's terms in T, packets in row order,
+  // and adds that block sum to its group's sums (group: one per packet, a
+  // block's packets in one group; the sums at dw_part and db_part + group *
+  // n, null: none), blocks in row order; `work` holds 4 * m values (the
+  // rows' sums, then coefficients, and mask); `copy` (null: none) 2 * m * n,
+  // where the first pass puts x and dy (leading dimension m) for the second
+  // to read. Blocks of kBackwardLanePackets packets go down a tile of
+  // features (detail::lane_tile) in both passes. A lane's arithmetic, and so
+  // dx, does not depend on the blocks, tiles or copy: the same bits for any
+  // row count, part or chunk; dweight and dbias depend on the blocks, which
+  // for_lane_blocks takes alike for any thread count (backward_impl puts the
+  // groups' boundaries on whole blocks).
   static void lane_passes(const T* x, const T* dy, T* dx, Index ld, Index m, Index n, const T* mean,
                           const T* rstd, const T* gamma, const Index* group, double* dw_part, double* db_part,
-                          Index active, T* work) {
+                          Index active, T* work, T* copy = nullptr) {
     using namespace Eigen::internal;
     using Packet = typename detail::simd<T>::Packet;
     constexpr int L = detail::simd<T>::L;
@@ -1477,6 +1487,8 @@ class LayerNorm {
         constexpr int K = decltype(k_c)::value;
         const T* const xb = x + c0;
         const T* const yb = dy + c0;
+        T* const cxb = copy ? copy + c0 : nullptr;
+        T* const cyb = copy ? copy + m * n + c0 : nullptr;
         Packet pp[K], a[K], b[K], c[K];
         NORMCORE_UNROLL
         for (int k = 0; k < K; ++k) {
@@ -1490,8 +1502,13 @@ class LayerNorm {
           NORMCORE_UNROLL
           for (int k = 0; k < K; ++k) {
             Packet g = ploadu<Packet>(yb + j * ld + k * L);
+            const Packet xv = ploadu<Packet>(xb + j * ld + k * L);
+            if (cxb) {
+              pstoreu(cxb + j * m + k * L, xv);
+              pstoreu(cyb + j * m + k * L, g);
+            }
             if (gamma) g = pmul(g, gmj);
-            const Packet d = psub(ploadu<Packet>(xb + j * ld + k * L), pp[k]);
+            const Packet d = psub(xv, pp[k]);
             a[k] = padd(a[k], g);
             b[k] = pmadd(g, d, b[k]);
             c[k] = padd(c[k], d);
@@ -1522,11 +1539,11 @@ class LayerNorm {
         eigen_assert(group[c0 / L + K - 1] == gi);
         // Locals, not the captured references: Eigen's packet stores may
         // alias anything, so the compiler would reload those after each one.
-        const T* const xb = x + c0;
-        const T* const yb = dy + c0;
+        const T* const xb = copy ? copy + c0 : x + c0;
+        const T* const yb = copy ? copy + m * n + c0 : dy + c0;
         T* const db = dx ? dx + c0 : nullptr;
         const T* const gl = gamma;
-        const Index ldl = ld, j0 = t0, j1 = t1;
+        const Index ldl = copy ? m : ld, ldo = ld, j0 = t0, j1 = t1;
         double* const dwl = dw_part ? dw_part + gi * n : nullptr;
         double* const dbl = db_part ? db_part + gi * n : nullptr;
         Packet pp[K], pr[K], p3[K], p4[K], pxs[K], pm[K];
@@ -1541,18 +1558,24 @@ class LayerNorm {
         }
         for (Index j = j0; j < j1; ++j) {
           const Packet gmj = pset1<Packet>(gl ? gl[j] : T(1));
+          // The block's terms of feature j, summed in T across its packets
+          // (as the RowMajor kernels sum a block of rows), then one
+          // horizontal sum each into the group's double sums.
+          Packet tw = pzero(gmj), tb = pzero(gmj);
           NORMCORE_UNROLL
           for (int k = 0; k < K; ++k) {
             const Packet dyv = ploadu<Packet>(yb + j * ldl + k * L);
             const Packet xh = pmadd(psub(ploadu<Packet>(xb + j * ldl + k * L), pp[k]), pr[k], pxs[k]);
             if (db) {
               const Packet g = gl ? pmul(dyv, gmj) : dyv;
-              pstoreu(db + j * ldl + k * L, pmadd(g, pr[k], pnegate(pmadd(xh, p3[k], p4[k]))));
+              pstoreu(db + j * ldo + k * L, pmadd(g, pr[k], pnegate(pmadd(xh, p3[k], p4[k]))));
             }
             const Packet dym = pmul(dyv, pm[k]);
-            if (dwl) dwl[j] += static_cast<double>(predux(pmul(dym, xh)));
-            if (dbl) dbl[j] += static_cast<double>(predux(dym));
+            if (dwl) tw = k == 0 ? pmul(dym, xh) : pmadd(dym, xh, tw);
+            if (dbl) tb = k == 0 ? dym : padd(tb, dym);
           }
+          if (dwl) dwl[j] += static_cast<double>(predux(tw));
+          if (dbl) dbl[j] += static_cast<double>(predux(tb));
         }
       });
     }

@@ -1255,15 +1255,17 @@ class RMSNorm {
   // The two passes over m rows (whole packets) of a ColMajor block with
   // leading dimension ld, rstd rt (T) and dweight mask mk: the first takes
   // each row's sum of g * x in T, features in order, into nc, then turns it
-  // into -rstd * mean(g * x); the second writes dx and adds each packet's
-  // dy * x_hat to its group's dweight sums (group: one per packet; the
-  // sums at dw_part + group * n, null: none) feature by feature, packets in
-  // row order. Blocks of packets side by side (up to
+  // into -rstd * mean(g * x); the second writes dx and, feature by
+  // feature, sums each block's dy * x_hat in T, packets in row order, and
+  // adds that block sum to its group's dweight sums (group: one per packet,
+  // a block's packets in one group; the sums at dw_part + group * n, null:
+  // none), blocks in row order. Blocks of packets side by side (up to
   // detail::kRegisterLanePackets in the first pass, detail::kLanePackets in
   // the second) go down a tile of features (detail::lane_tile: all of them
-  // for one block). A lane's arithmetic, and the order of each sum, do not
-  // depend on the blocks or tiles: the same bits for any row count, part or
-  // chunk.
+  // for one block). A lane's arithmetic, and so dx, does not depend on the
+  // blocks or tiles: the same bits for any row count, part or chunk;
+  // dweight depends on the second pass's blocks, taken alike for any thread
+  // count (as LayerNorm's).
   static void lane_passes(const T* x, const T* dy, T* dx, Index ld, Index m, Index n, const T* g, const T* rt, T* nc,
                           const T* mk, const Index* group, double* dw_part) {
     using namespace Eigen::internal;
@@ -1322,6 +1324,7 @@ class RMSNorm {
         }
         for (Index j = j0; j < j1; ++j) {
           const Packet gmj = pset1<Packet>(gl ? gl[j] : T(1));
+          Packet tw = pzero(gmj);  // the block's dweight terms of feature j (as LayerNorm's)
           NORMCORE_UNROLL
           for (int k = 0; k < K; ++k) {
             const Packet dyv = ploadu<Packet>(yb + j * ldl + k * L);
@@ -1330,8 +1333,12 @@ class RMSNorm {
               const Packet gv = gl ? pmul(dyv, gmj) : dyv;
               pstoreu(db + j * ldl + k * L, pmul(pr[k], pmadd(xh, pnc[k], gv)));  // as backward_rows
             }
-            if (dwl) dwl[j] += static_cast<double>(predux(pmul(pmul(dyv, pm[k]), xh)));
+            if (dwl) {
+              const Packet dym = pmul(dyv, pm[k]);
+              tw = k == 0 ? pmul(dym, xh) : pmadd(dym, xh, tw);
+            }
           }
+          if (dwl) dwl[j] += static_cast<double>(predux(tw));
         }
       });
     }
