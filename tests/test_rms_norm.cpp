@@ -540,10 +540,12 @@ TYPED_TEST(RMSNormTest, ColMajorSubnormalRstdInLaterGroupBitForBit) {
   }
 }
 
-// The ColMajor backward takes each part's rows in one of three ways
+// The ColMajor backward takes each part's rows in one of four ways
 // (detail::colmajor_backward_chunk): rows of at most 1 KB in chunks of 1 KB of
 // each feature's values, segments of several chunks (2500x64, with
-// leftover rows); longer rows in chunks of detail::kLanePackets packets
+// leftover rows), or of 4 KB where the row count times the value's size is
+// a multiple of 4 KB (3072x50: three chunks of float, six of double);
+// longer rows in chunks of detail::kLanePackets packets
 // (700x300); or the whole part at once, where the row count times the
 // value's size is a multiple of 1 KB (512x300) or a chunk would take more
 // than 512 KB (100x1100, with leftover rows: so with AVX-512's packets;
@@ -552,7 +554,10 @@ TYPED_TEST(RMSNormTest, ColMajorSubnormalRstdInLaterGroupBitForBit) {
 // and dx the bits of the row alone, and y, dx and dweight the reference's.
 TYPED_TEST(RMSNormTest, ColMajorBackwardWaysBitForBit) {
   using T = TypeParam;
-  for (const auto& [rows, n] : {std::pair<Index, Index>{2500, 64}, {700, 300}, {512, 300}, {100, 1100}}) {
+  ASSERT_EQ(normcore::detail::colmajor_backward_chunk<T>(3072, 50, true), Index(4096 / sizeof(T)));
+  ASSERT_EQ(normcore::detail::colmajor_backward_chunk<T>(2500, 64, true), Index(1024 / sizeof(T)));
+  for (const auto& [rows, n] :
+       {std::pair<Index, Index>{2500, 64}, {3072, 50}, {700, 300}, {512, 300}, {100, 1100}}) {
     SCOPED_TRACE(::testing::Message() << rows << "x" << n);
     RMSNorm<T> rn(RMSNormOptions({n}));
     const auto gv = randn<T>(static_cast<std::size_t>(n), 9, 1.0, 0.5);

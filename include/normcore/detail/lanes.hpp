@@ -54,14 +54,16 @@ Index lane_tile(Index m, Index block, Index all) {
 ///   from the cache: chunks of kLanePackets packets;
 /// * with `tiled` (RMSNorm, one sum a row in its first pass): rows of at
 ///   most kNarrowRowBytes in chunks of kNarrowRowBytes of each feature's
-///   values (256 floats), each pass a tile of features at a time
-///   (lane_tile); and the whole part at once, both passes a tile at a time
-///   through blocks of rows, so that both read x and dy front to back,
-///   where a chunk would not stay in the cache: rows longer than
-///   kNarrowRowBytes whose leading dimension (rows * sizeof(T)) is a
-///   multiple of kAliasingStrideBytes, which puts a chunk's lines of all
-///   the features into a few cache sets, or whose chunk of x and dy takes
-///   more than kBlockCacheBytes.
+///   values (256 floats), or of kNarrowAliasingChunkBytes (1024 floats)
+///   where the leading dimension is a multiple of kNarrowAliasingStrideBytes
+///   and such a chunk of x takes at most kBlockCacheBytes, each pass a tile
+///   of features at a time (lane_tile); and the whole part at once, both
+///   passes a tile at a time through blocks of rows, so that both read x
+///   and dy front to back, where a chunk would not stay in the cache: rows
+///   longer than kNarrowRowBytes whose leading dimension (rows * sizeof(T))
+///   is a multiple of kAliasingStrideBytes, which puts a chunk's lines of
+///   all the features into a few cache sets, or whose chunk of x and dy
+///   takes more than kBlockCacheBytes.
 /// Returns the chunk's rows, or 0 for the whole part. Chunks go in segments
 /// of up to kSegmentBytes of x (colmajor_segment_rows), each with its own
 /// statistics and residual. Chunks cross row groups; blocks of kLanePackets
@@ -84,7 +86,27 @@ Index lane_tile(Index m, Index block, Index all) {
 /// features), and RMSNorm 1.28-2.3x where the chunks stay in the cache
 /// (1000x1000, 10000x1000, 12345x512, 20000x300); RMSNorm's chunks of four
 /// packets for the shortest rows 1.2x at 100000x50.
+///
+/// Narrow rows on a leading dimension that is a multiple of 4 KB (the L1's
+/// way on x86) put every feature's piece of a chunk into the same cache
+/// sets. There, chunks four times longer took RMSNorm's backward (Zen 5
+/// guest, float, 1 thread, saved statistics, 5 shuffled rounds, new / old
+/// time) 0.76x at 65536x64, 0.79x at 16384x128, 0.75x at 8192x100, 0.76x
+/// at 4096x64, 0.76x at 32768x32, 0.80x at 2048x50, 0.79x at 49152x64,
+/// 0.77x at 12288x128, 0.80x at 262144x16, 0.77x at 4096x50; recomputed
+/// statistics 0.86x at 65536x64, 0.85x at 2048x50; double 0.78x at
+/// 32768x64, 0.68x at 4096x50. Single runs of the longer chunk elsewhere:
+/// 1.12x the time at 16384x200 and 1.10x at 16384x256 (a chunk of x over
+/// kBlockCacheBytes), 1.36x at 65792x64 and 1.15x at 16640x64 (multiples
+/// of 1 KB, not of 4 KB), 1.24x at 100000x50. Copying the chunk's x and dy
+/// in the first pass instead, as LayerNorm's does, took 1.15-1.21x the time
+/// at 65536x64 (RMSNorm's first pass has one multiply-add a packet to hide
+/// the stores behind); LayerNorm's backward took 0.95-1.05x with chunks of
+/// 256 or 1024 rows there, so it keeps its own. Wide rows keep the whole
+/// part (chunks of 64 rows took 1.52x the time at 4096x1024, of 256 1.12x).
 constexpr Index kNarrowRowBytes = 1024;
+constexpr Index kNarrowAliasingStrideBytes = 4096;
+constexpr Index kNarrowAliasingChunkBytes = 4096;
 constexpr Index kAliasingStrideBytes = 1024;
 constexpr Index kBlockCacheBytes = 512 * 1024;
 constexpr Index kSegmentBytes = 256 * 1024;
@@ -95,7 +117,11 @@ Index colmajor_backward_chunk(Index rows, Index n, bool tiled) {
   const Index row_bytes = n * s;
   const Index chunk = Index(kLanePackets) * simd<T>::L;
   if (!tiled) return chunk;
-  if (row_bytes <= kNarrowRowBytes) return kNarrowRowBytes / s;
+  if (row_bytes <= kNarrowRowBytes) {
+    constexpr Index aliased = kNarrowAliasingChunkBytes / s;
+    if ((rows * s) % kNarrowAliasingStrideBytes == 0 && aliased * row_bytes <= kBlockCacheBytes) return aliased;
+    return kNarrowRowBytes / s;
+  }
   if ((rows * s) % kAliasingStrideBytes == 0 || 2 * chunk * row_bytes > kBlockCacheBytes) return 0;
   return chunk;
 }
