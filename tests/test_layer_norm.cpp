@@ -309,6 +309,26 @@ TYPED_TEST(LayerNormTest, ColMajorPacketBlocksBitForBit) {
   check_against_reference<T, Eigen::ColMajor>(700, 40, 43, 0.5);
 }
 
+// Where the row count times the value's size is a multiple of 2 KB
+// (detail::colmajor_column_walk) the forward normalizes a feature at a time
+// through runs of rows (one run of 512 rows; two of 2048 rows of float,
+// four of double) instead of blocks of packets down all the features:
+// every row's y, and dx of the backward that recomputes the statistics,
+// the bits of the row alone (blocks), and the reference.
+TYPED_TEST(LayerNormTest, ColMajorColumnWalkBitForBit) {
+  using T = TypeParam;
+  ASSERT_TRUE(normcore::detail::colmajor_column_walk<T>(512, false));
+  ASSERT_FALSE(normcore::detail::colmajor_column_walk<T>(528, false));
+  const Index n = 50;
+  LayerNorm<T> ln(LayerNormOptions({n}));
+  randomize_params(ln, 7);
+  for (const Index rows : {Index(512), Index(2048)}) {
+    SCOPED_TRACE(::testing::Message() << rows << " rows");
+    colmajor_rows_match_alone(ln, rows, 18, every_row(rows, 1));
+    check_against_reference<T, Eigen::ColMajor>(rows, n, 45, 0.5);
+  }
+}
+
 // ColMajor inputs of detail::kStreamingBytes or more write y with
 // streaming stores with AVX-512 (detail::can_stream_colmajor, asserted; the
 // threshold set to that gate so that they do on any CPU), and a backward without

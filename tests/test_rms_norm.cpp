@@ -474,6 +474,27 @@ TYPED_TEST(RMSNormTest, ColMajorPacketBlocksBitForBit) {
   }
 }
 
+// Where the row count times the value's size is a multiple of 2 KB
+// (detail::colmajor_column_walk) the forward scales a feature at a time
+// through runs of rows (see the LayerNorm test of the same name), and the
+// rstd of a packet of rows comes from packets of divisions and square
+// roots: every row's y and dx (statistics saved and recomputed) the bits
+// of the row alone, and the reference.
+TYPED_TEST(RMSNormTest, ColMajorColumnWalkBitForBit) {
+  using T = TypeParam;
+  ASSERT_TRUE(normcore::detail::colmajor_column_walk<T>(512, false));
+  ASSERT_FALSE(normcore::detail::colmajor_column_walk<T>(528, false));
+  const Index n = 50;
+  RMSNorm<T> rn(RMSNormOptions({n}));
+  const auto gv = randn<T>(static_cast<std::size_t>(n), 8, 1.0, 0.5);
+  std::copy(gv.begin(), gv.end(), rn.weight().data());
+  for (const Index rows : {Index(512), Index(2048)}) {
+    SCOPED_TRACE(::testing::Message() << rows << " rows");
+    colmajor_rows_match_alone(rn, rows, 19, every_row(rows, 1));
+    check_rms<T, Eigen::ColMajor>(rows, n, 47, 1.0);
+  }
+}
+
 // ColMajor inputs of detail::kStreamingBytes or more write y with
 // streaming stores with AVX-512 (asserted; the threshold set to that gate
 // so that they do on any CPU); the lane sums of squares go a tile of features at a

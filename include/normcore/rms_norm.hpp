@@ -332,8 +332,18 @@ class RMSNorm {
         for (Index l = 0; l < m; ++l)
           sum.data()[l] += static_cast<double>(acc.data()[l]);
       }
-      for (Index l = 0; l < m; ++l)
-        r[l] = detail::rms_rstd(xv.data + r0 + l, n, rows, sum.data()[l], eps_);
+      // rstd: in packets of divisions and square roots where W is double
+      // (detail::inv_sqrt_mean_eps, the same bits as rms_rstd's), each row
+      // whose sum left T's range then again through rms_rstd.
+      if constexpr (std::is_same<W, double>::value) {
+        detail::inv_sqrt_mean_eps(sum.data(), static_cast<double>(n), eps_, m, r);
+        for (Index l = 0; l < m; ++l)
+          if (!detail::rms_sum_in_range<T>(sum.data()[l]))
+            r[l] = detail::rms_rstd(xv.data + r0 + l, n, rows, sum.data()[l], eps_);
+      } else {
+        for (Index l = 0; l < m; ++l)
+          r[l] = detail::rms_rstd(xv.data + r0 + l, n, rows, sum.data()[l], eps_);
+      }
     }
     if (i0 < r1) {
       double ss[L];
@@ -461,11 +471,11 @@ class RMSNorm {
       const auto pv = detail::param_view(true, options_.normalized_shape(), prm.gamma,
                                          static_cast<const T*>(nullptr), n);
       const T* g = pv.gamma;
-      std::vector<W> r(static_cast<std::size_t>(rows));
+      detail::Scratch<W> r(static_cast<std::size_t>(rows), false);  // the calling thread's (kept between calls)
       const bool stream = may_stream && detail::can_stream_colmajor(xv.data, out, rows, n);
       // Rows whose rstd is not a normal T: exact scalar path in long double.
       auto exact_row = [&](Index i) {
-        const W ri = r[static_cast<std::size_t>(i)];
+        const W ri = r.data()[i];
         for (Index j = 0; j < n; ++j) {
           long double v = static_cast<long double>(xv.data[i + j * rows]) * ri;
           if (g) v *= static_cast<long double>(g[j]);
@@ -476,12 +486,12 @@ class RMSNorm {
         const Index r0 = split.begin(p), r1 = split.begin(p + 1);
         lane_rstd(xv, r0, r1, r.data() + r0);
         if (rsave)
-          for (Index i = r0; i < r1; ++i) rsave[i] = static_cast<T>(r[static_cast<std::size_t>(i)]);
+          for (Index i = r0; i < r1; ++i) rsave[i] = static_cast<T>(r.data()[i]);
         // Packets of rows; leftover rows padded; abnormal rows redone.
-        std::vector<T> rt(static_cast<std::size_t>(r1 - r0));
+        detail::Scratch<T> rt(static_cast<std::size_t>(r1 - r0), false);
         for (Index i = r0; i < r1; ++i) {
-          const W ri = r[static_cast<std::size_t>(i)];
-          rt[static_cast<std::size_t>(i - r0)] = detail::normal_in<T>(ri) ? static_cast<T>(ri) : T(0);
+          const W ri = r.data()[i];
+          rt.data()[i - r0] = detail::normal_in<T>(ri) ? static_cast<T>(ri) : T(0);
         }
         // K packets of rows side by side (detail::for_lane_blocks); each
         // lane's arithmetic is the same whatever K. s_c: streaming stores
@@ -505,12 +515,33 @@ class RMSNorm {
             }
           }
         };
-        const Index i0 = detail::for_lane_blocks<detail::kLanePackets>(r0, r1, L, [&](auto k_c, Index i) {
-          if (stream)
-            lanes(k_c, std::true_type(), xv.data + i, out + i, rows, rt.data() + (i - r0));
-          else
-            lanes(k_c, std::false_type(), xv.data + i, out + i, rows, rt.data() + (i - r0));
-        });
+        Index i0 = r0 + (r1 - r0) / L * L;
+        if (detail::colmajor_column_walk<T>(rows, stream)) {
+          // A feature at a time through runs of rows (as LayerNorm's
+          // normalize_columns): the same arithmetic a lane.
+          constexpr Index seg = detail::kColumnRunBytes / Index(sizeof(T));
+          const T* const rb = rt.data();
+          for (Index s0 = r0; s0 < i0; s0 += seg) {
+            const Index s1 = std::min(i0, s0 + seg);
+            for (Index j = 0; j < n; ++j) {
+              const T* const xj = xv.data + j * rows;
+              T* const yj = out + j * rows;
+              const Packet gj = pset1<Packet>(g ? g[j] : T(1));
+              detail::for_packets<L>(s0, s1, [&](Index i) NORMCORE_INLINE_LAMBDA {
+                Packet v = pmul(ploadu<Packet>(xj + i), ploadu<Packet>(rb + (i - r0)));
+                if (g) v = pmul(v, gj);
+                pstoreu(yj + i, v);
+              });
+            }
+          }
+        } else {
+          i0 = detail::for_lane_blocks<detail::kLanePackets>(r0, r1, L, [&](auto k_c, Index i) {
+            if (stream)
+              lanes(k_c, std::true_type(), xv.data + i, out + i, rows, rt.data() + (i - r0));
+            else
+              lanes(k_c, std::false_type(), xv.data + i, out + i, rows, rt.data() + (i - r0));
+          });
+        }
         if (stream) detail::stream_fence();  // before the exact rows' stores
         if (i0 < r1) {
           const Index m = r1 - i0;
@@ -522,7 +553,7 @@ class RMSNorm {
           detail::scatter_lanes(tmp.data() + L * n, rows, i0, m, n, Index(L), out);
         }
         for (Index i = r0; i < r1; ++i)
-          if (!detail::normal_in<T>(r[static_cast<std::size_t>(i)])) exact_row(i);
+          if (!detail::normal_in<T>(r.data()[i])) exact_row(i);
       });
     }
   }

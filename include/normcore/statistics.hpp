@@ -43,6 +43,7 @@
 #endif
 
 #include "normcore/detail/convert.hpp"
+#include "normcore/detail/scratch.hpp"
 #include "normcore/welford.hpp"
 
 namespace normcore {
@@ -1509,16 +1510,17 @@ inline void lanes_step_scalar(const T* row, const T* pivot, T inv, Index c0, Ind
 
 /// The chunks of kChunk rows of [0, count): step(i, iters, mean, m2) with
 /// the states of `lanes` lanes zeroed (i: the chunk's first row), then
-/// flush(k, iters, mean, m2) for chunk k.
+/// flush(k, iters, mean, m2) for chunk k. The states are the calling
+/// thread's scratch (detail::Scratch), kept from one call to the next.
 template <typename T, typename Step, typename Flush>
 void chunked_lane_states(Index count, Index lanes, Step&& step, Flush&& flush) {
-  std::vector<T> state(static_cast<std::size_t>(2 * lanes));
+  detail::Scratch<T> state(static_cast<std::size_t>(2 * lanes), false);
   T* mean = state.data();
   T* m2 = mean + lanes;
   Index i = 0;
   for (Index k = 0; i < count; ++k) {
     const Index iters = std::min<Index>(count - i, detail::kChunk);
-    std::fill(state.begin(), state.end(), T(0));
+    std::fill(mean, mean + 2 * lanes, T(0));
     step(i, iters, mean, m2);
     i += iters;
     flush(k, iters, static_cast<const T*>(mean), static_cast<const T*>(m2));
