@@ -76,6 +76,10 @@ TEST(Threads, RowLayersBitIdenticalForAnyThreadCount) {
   check_row_layers<float, Eigen::ColMajor>(2048, 300);
   check_row_layers<double, Eigen::ColMajor>(1024, 300);
   check_row_layers<float, Eigen::RowMajor>(4096, 600);
+  // RMSNorm's ColMajor backward in chunks of 4 KB of each feature's values
+  // (narrow rows, a leading dimension of a multiple of 4 KB).
+  check_row_layers<float, Eigen::ColMajor>(3072, 50);
+  check_row_layers<double, Eigen::ColMajor>(1536, 50);
 }
 
 // The ColMajor forwards write y with streaming stores on inputs of 12 MiB or

@@ -518,18 +518,23 @@ class RMSNorm {
         Index i0 = r0 + (r1 - r0) / L * L;
         if (detail::colmajor_column_walk<T>(rows, stream)) {
           // A feature at a time through runs of rows (as LayerNorm's
-          // normalize_columns): the same arithmetic a lane.
+          // normalize_columns): the same arithmetic a lane. Locals, not the
+          // captured references (the packet stores may alias anything).
           constexpr Index seg = detail::kColumnRunBytes / Index(sizeof(T));
+          const T* const gl = g;
+          const T* const xd = xv.data;
+          T* const od = out;
           const T* const rb = rt.data();
-          for (Index s0 = r0; s0 < i0; s0 += seg) {
-            const Index s1 = std::min(i0, s0 + seg);
-            for (Index j = 0; j < n; ++j) {
-              const T* const xj = xv.data + j * rows;
-              T* const yj = out + j * rows;
-              const Packet gj = pset1<Packet>(g ? g[j] : T(1));
+          const Index nl = n, ld = rows, first = r0, end = i0;
+          for (Index s0 = first; s0 < end; s0 += seg) {
+            const Index s1 = std::min(end, s0 + seg);
+            for (Index j = 0; j < nl; ++j) {
+              const T* const xj = xd + j * ld;
+              T* const yj = od + j * ld;
+              const Packet gj = pset1<Packet>(gl ? gl[j] : T(1));
               detail::for_packets<L>(s0, s1, [&](Index i) NORMCORE_INLINE_LAMBDA {
-                Packet v = pmul(ploadu<Packet>(xj + i), ploadu<Packet>(rb + (i - r0)));
-                if (g) v = pmul(v, gj);
+                Packet v = pmul(ploadu<Packet>(xj + i), ploadu<Packet>(rb + (i - first)));
+                if (gl) v = pmul(v, gj);
                 pstoreu(yj + i, v);
               });
             }
