@@ -151,7 +151,7 @@ bool colmajor_aliasing(Index rows) {
 /// 0.55x at 8192x100, 0.59x at 2048x50, 0.79x at 4096x700, 0.81x at
 /// 512x768, 0.83x at 512x1024, 0.86x at 2560x64, 0.88x at 1536x768. Taken
 /// everywhere it lost elsewhere: 1.10x at 768x768 (a multiple of 1 KB, not
-/// of 2 KB), 1.16x at 65536x64 (streaming stores), single runs 1.13-1.30x
+/// of 2 KB), 1.16x at 65536x64 (streaming stores), single runs 1.15-1.30x
 /// at 65552x64, 100000x50, 16x768 and 64x768.
 constexpr Index kColumnAliasingBytes = 2048;
 constexpr Index kColumnRunBytes = 4096;
