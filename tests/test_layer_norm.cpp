@@ -358,9 +358,13 @@ TYPED_TEST(LayerNormTest, ColMajorLargeInputsAndLongRowsBitForBit) {
 // (2500x64, with leftover rows), longer ones (700x300), a power-of-two
 // row count (512x300) and rows of 1100 (100 rows, leftover rows). Every
 // 7th row's y and dx the bits of the row alone, and the reference (dweight
-// and dbias within tolerance).
+// and dbias within tolerance). The forward takes the first two in segments
+// of rows (detail::colmajor_forward_segment, asserted), the last two whole.
 TYPED_TEST(LayerNormTest, ColMajorBackwardWaysBitForBit) {
   using T = TypeParam;
+  const Index seg = normcore::detail::colmajor_forward_segment<T>(2500, 64);
+  ASSERT_TRUE(seg > 0 && seg < 2500) << seg;
+  ASSERT_EQ(normcore::detail::colmajor_forward_segment<T>(512, 300), 0);
   for (const auto& [rows, n] : {std::pair<Index, Index>{2500, 64}, {700, 300}, {512, 300}, {100, 1100}}) {
     SCOPED_TRACE(::testing::Message() << rows << "x" << n);
     LayerNorm<T> ln(LayerNormOptions({n}));

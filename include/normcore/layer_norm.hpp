@@ -810,8 +810,17 @@ class LayerNorm {
 
   // ColMajor: element (r, j) at data[j * rows + r]; rows are SIMD lanes.
   // Handles rows [r0, r1), r0 a multiple of the packet size.
+  // Segments of rows (detail::colmajor_forward_segment), each its
+  // statistics and then its normalize while its x is in the cache.
   void forward_colmajor(const detail::Matrix2D<T>& xv, T* out, T* mean, T* rstd, Index r0,
                         Index r1, const T* g, const T* b, bool may_stream) const {
+    const Index seg = detail::colmajor_forward_segment<T>(xv.rows, xv.cols);
+    if (seg == 0) return forward_colmajor_rows(xv, out, mean, rstd, r0, r1, g, b, may_stream);
+    for (Index s0 = r0; s0 < r1; s0 += seg)
+      forward_colmajor_rows(xv, out, mean, rstd, s0, std::min(r1, s0 + seg), g, b, may_stream);
+  }
+  void forward_colmajor_rows(const detail::Matrix2D<T>& xv, T* out, T* mean, T* rstd, Index r0,
+                             Index r1, const T* g, const T* b, bool may_stream) const {
     constexpr int L = detail::simd<T>::L;
     const Index rows = xv.rows, n = xv.cols, m = r1 - r0;
     // The temporaries: the calling thread's scratch (detail::Scratch).
