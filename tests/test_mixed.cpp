@@ -443,6 +443,199 @@ TEST(Mixed, ColMajorHalfIsTheFloatPathRoundedOnce) {
   }
 }
 
+// detail::convert_n rounds float to 16 bits in packets where the build
+// has packet casts, and the last n mod L values apart: each value must get
+// the same bits wherever it falls, alone or in a packet. Subnormal floats
+// (which AVX512-BF16's packet conversion takes as zero and the scalar one
+// rounds) and NaNs of either sign (Eigen's other bfloat16 packet casts give
+// them one sign) included.
+template <typename S>
+void check_conversion_tails_round_as_the_body() {
+  std::vector<float> v = randn<float>(40, 71);
+  const float sub = std::numeric_limits<float>::min();
+  const float tail[] = {sub / 3, -sub / 5, sub * 0.75f, std::numeric_limits<float>::denorm_min(),
+                        std::numeric_limits<float>::quiet_NaN(), -std::numeric_limits<float>::quiet_NaN(),
+                        std::numeric_limits<float>::infinity(), -0.0f, 1e-39f, -3e-39f};
+  v.insert(v.begin() + 5, std::begin(tail), std::end(tail));  // in the body
+  v.insert(v.end(), std::begin(tail), std::end(tail));        // and in the tail
+  const Index n = static_cast<Index>(v.size());
+  std::vector<S> whole(v.size()), alone(v.size());
+  normcore::detail::convert_n(v.data(), whole.data(), n);
+  for (Index i = 0; i < n; ++i) normcore::detail::convert_n(v.data() + i, alone.data() + i, Index(1));
+  for (std::size_t i = 0; i < v.size(); ++i) {
+    std::uint16_t a = 0, b = 0;
+    std::memcpy(&a, &whole[i], 2);
+    std::memcpy(&b, &alone[i], 2);
+    EXPECT_EQ(a, b) << i << ": " << v[i];
+  }
+}
+TEST(Mixed, BFloat16ConversionTailsRoundAsTheBody) { check_conversion_tails_round_as_the_body<Eigen::bfloat16>(); }
+TEST(Mixed, HalfConversionTailsRoundAsTheBody) { check_conversion_tails_round_as_the_body<Eigen::half>(); }
+
+// A 16-bit ColMajor forward widens blocks of rows into float
+// (detail::colmajor_in_compute_type, blocks of detail::colmajor_stage_rows):
+// every block, the last one short with leftover rows, must give the float
+// layer's y on the widened input rounded once, and its statistics, bit for
+// bit; so must 3 threads and an in-place call. 1500x64 and 300x1100 take
+// several blocks (asserted; with AVX-512, 2 and 5), 16x768 one block of all
+// the rows (converted whole). Row 7 holds values near the largest bfloat16, whose squares
+// leave float (RMSNorm's exact path); for half, 6e4.
+template <typename S, template <typename> class Layer, typename Options>
+void check_colmajor_blocks_equal_float_path() {
+  constexpr int CM = Eigen::ColMajor;
+  ASSERT_LT(normcore::detail::colmajor_stage_rows<float>(64), Index(1500));
+  ASSERT_LT(normcore::detail::colmajor_stage_rows<float>(1100), Index(300));
+  for (const auto& [rows, n] : {std::pair<Index, Index>{1500, 64}, {300, 1100}, {16, 768}}) {
+    SCOPED_TRACE(::testing::Message() << rows << "x" << n);
+    const std::size_t N = static_cast<std::size_t>(rows * n);
+    auto xs = to16<S>(randn<float>(N, 51, 0.5, 2.0));
+    for (Index j = 0; j < n; ++j) xs[static_cast<std::size_t>(j * rows + 7)] = static_cast<S>(std::is_same<S, Eigen::half>::value ? 6e4f : 3e37f);
+    const auto xw = to32(xs);
+    Eigen::TensorMap<const Eigen::Tensor<S, 2, CM>> x(xs.data(), rows, n);
+    Eigen::TensorMap<const Eigen::Tensor<float, 2, CM>> xf(xw.data(), rows, n);
+    Layer<S> l16(Options({n}));
+    Layer<float> l32(Options({n}));
+    const auto w = randn<float>(static_cast<std::size_t>(n), 52, 1.0, 0.3);
+    for (Index j = 0; j < n; ++j) {
+      l16.weight()(j) = static_cast<S>(w[static_cast<std::size_t>(j)]);
+      l32.weight()(j) = static_cast<float>(l16.weight()(j));
+    }
+    normcore::NormStats<float> s16, s32, st;
+    Eigen::Tensor<S, 2, CM> y16(rows, n), yt(rows, n), io(rows, n);
+    Eigen::Tensor<float, 2, CM> y32(rows, n);
+    l16.forward(x, y16, s16);
+    l32.forward(xf, y32, s32);
+    Eigen::ThreadPool pool(3);
+    Eigen::ThreadPoolDevice dev(&pool, 3);
+    l16.forward(dev, x, yt, st);
+    std::copy(xs.begin(), xs.end(), io.data());
+    l16.forward(io, io);
+    for (std::size_t i = 0; i < N; ++i) {
+      const float want = static_cast<float>(static_cast<S>(y32.data()[i]));
+      ASSERT_EQ(static_cast<float>(y16.data()[i]), want) << i;
+      ASSERT_EQ(static_cast<float>(yt.data()[i]), want) << i;
+      ASSERT_EQ(static_cast<float>(io.data()[i]), want) << i;
+    }
+    EXPECT_TRUE(bit_equal(s16.rstd.data(), s32.rstd.data(), static_cast<std::size_t>(rows)));
+    EXPECT_TRUE(bit_equal(st.rstd.data(), s32.rstd.data(), static_cast<std::size_t>(rows)));
+    ASSERT_EQ(s16.mean.size(), s32.mean.size());
+    EXPECT_TRUE(bit_equal(s16.mean.data(), s32.mean.data(), static_cast<std::size_t>(s32.mean.size())));
+    EXPECT_TRUE(bit_equal(st.mean.data(), s32.mean.data(), static_cast<std::size_t>(s32.mean.size())));
+  }
+}
+TEST(Mixed, ColMajorBFloat16LayerNormBlocksEqualTheFloatPath) {
+  check_colmajor_blocks_equal_float_path<Eigen::bfloat16, normcore::LayerNorm, normcore::LayerNormOptions>();
+}
+TEST(Mixed, ColMajorHalfRMSNormBlocksEqualTheFloatPath) {
+  check_colmajor_blocks_equal_float_path<Eigen::half, normcore::RMSNorm, normcore::RMSNormOptions>();
+}
+TEST(Mixed, ColMajorBFloat16RMSNormBlocksEqualTheFloatPath) {
+  check_colmajor_blocks_equal_float_path<Eigen::bfloat16, normcore::RMSNorm, normcore::RMSNormOptions>();
+}
+
+// The 16-bit ColMajor backward widens blocks of rows into float too
+// (detail::colmajor_backward_in_compute_type), on whole blocks of its row
+// groups' alignment, so its dx, dweight and dbias must be the float layer's
+// on the widened x, dy and dh_next, rounded once, bit for bit: with saved
+// and recomputed statistics, the fused residual, dx over dy, and 3 threads.
+// Rows 7 and 1000 of bfloat16 inputs take RMSNorm's exact path, whose
+// dweight terms come after all of its part's blocks, as in the float path
+// (at 3000x64 row 1000's group of rows spans two blocks with AVX-512 and
+// AVX2 alike; rounded to 16 bits, terms in another order rarely show).
+template <typename S, typename D, typename X, typename DY, typename DX, typename W>
+void backward_of(const normcore::LayerNorm<S>& l, const D& dev, const X& x, const DY& dy, const DY* dh, DX* dx, W* dw,
+                 W* db, const normcore::NormStats<float>* st) {
+  if (dh) {
+    l.backward_add(dev, x, dy, dh, dx, dw, db, st);
+  } else {
+    l.backward(dev, x, dy, dx, dw, db, st);
+  }
+}
+template <typename S, typename D, typename X, typename DY, typename DX, typename W>
+void backward_of(const normcore::RMSNorm<S>& l, const D& dev, const X& x, const DY& dy, const DY* dh, DX* dx, W* dw,
+                 W* db, const normcore::NormStats<float>* st) {
+  if (db) db->setZero();  // (no bias)
+  if (dh) {
+    l.backward_add(dev, x, dy, dh, dx, dw, st);
+  } else {
+    l.backward(dev, x, dy, dx, dw, st);
+  }
+}
+template <typename S, template <typename> class Layer, typename Options>
+void check_colmajor_backward_blocks_equal_float_path() {
+  constexpr int CM = Eigen::ColMajor;
+  for (const auto& [rows, n] : {std::pair<Index, Index>{3000, 64}, {300, 1100}, {16, 768}}) {
+    const std::size_t N = static_cast<std::size_t>(rows * n);
+    auto xs = to16<S>(randn<float>(N, 61, 0.5, 2.0));
+    if (std::is_same<S, Eigen::bfloat16>::value)
+      for (Index r : {Index(7), Index(1000)})
+        for (Index j = 0; r < rows && j < n; ++j) xs[static_cast<std::size_t>(j * rows + r)] = static_cast<S>(3e37f);
+    const auto dys = to16<S>(randn<float>(N, 62));
+    const auto dhs = to16<S>(randn<float>(N, 63));
+    const auto xw = to32(xs), dyw = to32(dys), dhw = to32(dhs);
+    Eigen::TensorMap<const Eigen::Tensor<S, 2, CM>> x(xs.data(), rows, n), dy(dys.data(), rows, n),
+        dh(dhs.data(), rows, n);
+    Eigen::TensorMap<const Eigen::Tensor<float, 2, CM>> xf(xw.data(), rows, n), dyf(dyw.data(), rows, n),
+        dhf(dhw.data(), rows, n);
+    Layer<S> l16(Options({n}));
+    Layer<float> l32(Options({n}));
+    const auto w = randn<float>(static_cast<std::size_t>(n), 64, 1.0, 0.3);
+    for (Index j = 0; j < n; ++j) {
+      l16.weight()(j) = static_cast<S>(w[static_cast<std::size_t>(j)]);
+      l32.weight()(j) = static_cast<float>(l16.weight()(j));
+    }
+    normcore::NormStats<float> s16, s32;
+    Eigen::Tensor<S, 2, CM> y16(rows, n);
+    Eigen::Tensor<float, 2, CM> y32(rows, n);
+    l16.forward(x, y16, s16);
+    l32.forward(xf, y32, s32);
+    Eigen::ThreadPool pool(3);
+    Eigen::ThreadPoolDevice three(&pool, 3);
+    for (int threads : {1, 3})
+      for (bool saved : {true, false})
+        for (bool fused : {false, true})
+          for (bool over_dy : {false, true}) {
+            SCOPED_TRACE(::testing::Message() << rows << "x" << n << " threads " << threads << " saved " << saved
+                                              << " fused " << fused << " dx over dy " << over_dy);
+            Eigen::Tensor<S, 2, CM> dx16(rows, n), g(rows, n);
+            std::copy(dys.begin(), dys.end(), g.data());
+            Eigen::Tensor<float, 2, CM> dx32(rows, n);
+            Eigen::Tensor<S, 1> dw16(n), db16(n);
+            Eigen::Tensor<float, 1> dw32(n), db32(n);
+            Eigen::TensorMap<const Eigen::Tensor<S, 2, CM>> gin(g.data(), rows, n);
+            Eigen::Tensor<S, 2, CM>* out = over_dy ? &g : &dx16;
+            if (threads == 3) {
+              backward_of(l16, three, x, over_dy ? gin : dy, fused ? &dh : nullptr, out, &dw16, &db16,
+                          saved ? &s16 : nullptr);
+            } else {
+              backward_of(l16, normcore::Serial(), x, over_dy ? gin : dy, fused ? &dh : nullptr, out, &dw16,
+                          &db16, saved ? &s16 : nullptr);
+            }
+            backward_of(l32, normcore::Serial(), xf, dyf, fused ? &dhf : nullptr, &dx32, &dw32, &db32,
+                        saved ? &s32 : nullptr);
+            // dx rounded as the library rounds whole tensors (AVX512-BF16's
+            // conversion takes subnormal floats, as row 7's dx, as zero).
+            std::vector<S> want(N);
+            normcore::detail::convert_n(dx32.data(), want.data(), rows * n);
+            for (std::size_t i = 0; i < N; ++i)
+              ASSERT_EQ(static_cast<float>(out->data()[i]), static_cast<float>(want[i])) << i;
+            for (Index j = 0; j < n; ++j) {
+              ASSERT_EQ(static_cast<float>(dw16(j)), static_cast<float>(static_cast<S>(dw32(j)))) << j;
+              ASSERT_EQ(static_cast<float>(db16(j)), static_cast<float>(static_cast<S>(db32(j)))) << j;
+            }
+          }
+  }
+}
+TEST(Mixed, ColMajorBFloat16LayerNormBackwardBlocksEqualTheFloatPath) {
+  check_colmajor_backward_blocks_equal_float_path<Eigen::bfloat16, normcore::LayerNorm, normcore::LayerNormOptions>();
+}
+TEST(Mixed, ColMajorHalfRMSNormBackwardBlocksEqualTheFloatPath) {
+  check_colmajor_backward_blocks_equal_float_path<Eigen::half, normcore::RMSNorm, normcore::RMSNormOptions>();
+}
+TEST(Mixed, ColMajorBFloat16RMSNormBackwardBlocksEqualTheFloatPath) {
+  check_colmajor_backward_blocks_equal_float_path<Eigen::bfloat16, normcore::RMSNorm, normcore::RMSNormOptions>();
+}
+
 // ------------------------------------------------------ 16-bit parameters
 
 // A LayerNorm<bfloat16> is a float layer whose weights are the bf16 values:

@@ -571,10 +571,16 @@ TYPED_TEST(RMSNormTest, ColMajorSubnormalRstdInLaterGroupBitForBit) {
 // value's size is a multiple of 1 KB (512x300) or a chunk would take more
 // than 512 KB (100x1100, with leftover rows: so with AVX-512's packets;
 // with narrower packets a chunk is smaller and it takes chunks). Each
-// way: every 7th row's y
-// and dx the bits of the row alone, and y, dx and dweight the reference's.
+// way: every 7th row's y and dx the bits of the row alone, and y, dx and
+// dweight the reference's. The forward takes the first three in segments
+// of rows (detail::colmajor_forward_segment, asserted), 512x300 whole.
 TYPED_TEST(RMSNormTest, ColMajorBackwardWaysBitForBit) {
   using T = TypeParam;
+  for (const auto& [rows, n] : {std::pair<Index, Index>{2500, 64}, {3072, 50}, {700, 300}}) {
+    const Index seg = normcore::detail::colmajor_forward_segment<T>(rows, n);
+    ASSERT_TRUE(seg > 0 && seg < rows) << rows << "x" << n << ": " << seg;
+  }
+  ASSERT_EQ(normcore::detail::colmajor_forward_segment<T>(512, 300), 0);
   ASSERT_EQ(normcore::detail::colmajor_backward_chunk<T>(3072, 50, true), Index(4096 / sizeof(T)));
   ASSERT_EQ(normcore::detail::colmajor_backward_chunk<T>(2500, 64, true), Index(1024 / sizeof(T)));
   for (const auto& [rows, n] :

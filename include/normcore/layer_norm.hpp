@@ -309,10 +309,7 @@ class LayerNorm {
   static constexpr const char* kWho = "normcore::LayerNorm";
 
   template <typename Device, typename X, typename Y>
-  // may_stream false: y is a float copy of a 16-bit ColMajor output, read
-  // back at once (no streaming stores: their gate is for float and double
-  // storage).
-  void forward_impl(const Device& device, const X& x, Y& y, NormStats<T>* saved, bool may_stream = true) const {
+  void forward_impl(const Device& device, const X& x, Y& y, NormStats<T>* saved) const {
     using S = typename detail::tensor_traits<X>::Scalar;
     detail::check_storage<T, X>();
     detail::check_same_scalar<X, Y>();
@@ -320,15 +317,6 @@ class LayerNorm {
     static_assert(detail::tensor_traits<Y>::writable, "normcore: the output must be writable");
     const auto xv = detail::split_view<S>(kWho, "input", x, options_.normalized_shape());
     detail::check_same_shape(kWho, "output", x, y);
-    if constexpr (!std::is_same<S, T>::value) {
-      if (!xv.row_major) {  // ColMajor 16-bit: through a whole float copy
-        const auto xf = detail::widen(x);
-        auto yf = detail::float_like(x);
-        forward_impl(device, xf, yf, saved, false);
-        detail::narrow(yf, y);
-        return;
-      }
-    }
     S* out = y.data();
     T* mean = nullptr;
     T* rstd = nullptr;
@@ -369,10 +357,21 @@ class LayerNorm {
                                                        stream_out);
                                         });
       });
-    } else if constexpr (std::is_same<S, T>::value) {
+    } else {
       const auto pv = detail::param_view(true, options_.normalized_shape(), prm.gamma, prm.beta, n);
       detail::run_parts(device, parts, [&](Index p) {
-        forward_colmajor(xv, out, mean, rstd, split.begin(p), split.begin(p + 1), pv.gamma, pv.beta, may_stream);
+        if constexpr (std::is_same<S, T>::value) {
+          forward_colmajor(xv, out, mean, rstd, split.begin(p), split.begin(p + 1), pv.gamma, pv.beta, true);
+        } else {
+          // 16-bit: blocks of rows widened into float (no streaming stores
+          // into the block's buffer, read back at once).
+          detail::colmajor_in_compute_type<T>(
+              xv.data, out, rows, n, split.begin(p), split.begin(p + 1), detail::colmajor_stage_rows<T>(n),
+              [&](const detail::Matrix2D<T>& v, T* yb, Index r0) {
+                forward_colmajor(v, yb, mean ? mean + r0 : nullptr, rstd ? rstd + r0 : nullptr, 0, v.rows, pv.gamma,
+                                 pv.beta, false);
+              });
+        }
       });
     }
   }
@@ -815,9 +814,9 @@ class LayerNorm {
   void forward_colmajor(const detail::Matrix2D<T>& xv, T* out, T* mean, T* rstd, Index r0,
                         Index r1, const T* g, const T* b, bool may_stream) const {
     const Index seg = detail::colmajor_forward_segment<T>(xv.rows, xv.cols);
-    if (seg == 0) return forward_colmajor_rows(xv, out, mean, rstd, r0, r1, g, b, may_stream);
-    for (Index s0 = r0; s0 < r1; s0 += seg)
-      forward_colmajor_rows(xv, out, mean, rstd, s0, std::min(r1, s0 + seg), g, b, may_stream);
+    const Index step = seg ? seg : r1 - r0;
+    for (Index s0 = r0; s0 < r1; s0 += step)
+      forward_colmajor_rows(xv, out, mean, rstd, s0, std::min(r1, s0 + step), g, b, may_stream);
   }
   void forward_colmajor_rows(const detail::Matrix2D<T>& xv, T* out, T* mean, T* rstd, Index r0,
                              Index r1, const T* g, const T* b, bool may_stream) const {
@@ -977,11 +976,15 @@ class LayerNorm {
       T* sr = stat.data() + rows;
       detail::run_parts(device, parts, [&](Index p) {
         const Index r0 = gsplit.begin(psplit.begin(p)), r1 = gsplit.begin(psplit.begin(p + 1));
-        if constexpr (!wide) {
-          if (!xv.row_major) {
+        if (!xv.row_major) {
+          if constexpr (wide) {  // 16-bit: blocks of rows widened into float
+            detail::colmajor_in_compute_type<T>(
+                xv.data, static_cast<S*>(nullptr), rows, n, r0, r1, detail::colmajor_stage_rows<T>(n),
+                [&](const detail::Matrix2D<T>& v, T*, Index b) { colmajor_stats(v, 0, v.rows, sm + b, sr + b); });
+          } else {
             colmajor_stats(xv, r0, r1, sm, sr);
-            return;
           }
+          return;
         }
         std::vector<T> row;  // 16-bit rows widened when row_coeffs asks for them
         detail::CoeffGroup<T> k;
@@ -1030,12 +1033,23 @@ class LayerNorm {
     const auto pv = detail::param_view(!xv.row_major, options_.normalized_shape(), prm.gamma,
                                        static_cast<const T*>(nullptr), n);
     detail::run_parts(device, parts, [&](Index p) {
-      if constexpr (!wide) {  // (16-bit ColMajor inputs arrive widened)
-        if (!xv.row_major) {
-          backward_colmajor(xv.data, dyp, dxp, dhp, rows, n, gsplit, psplit.begin(p), psplit.begin(p + 1), mean, rstd,
-                            pv.gamma, dweight ? dw_part : nullptr, dbias ? db_part : nullptr);
-          return;
+      if (!xv.row_major) {
+        const Index R0 = gsplit.begin(psplit.begin(p)), R1 = gsplit.begin(psplit.begin(p + 1));
+        double* const dwp = dweight ? dw_part : nullptr;
+        double* const dbp = dbias ? db_part : nullptr;
+        if constexpr (wide) {
+          // 16-bit: blocks of rows widened into float, on whole blocks of
+          // gsplit's alignment from the part's start (the float path's lane
+          // blocks, so its sums).
+          detail::colmajor_backward_in_compute_type<T>(
+              xv.data, dyp, dxp, dhp, rows, n, R0, R1, detail::colmajor_stage_rows<T>(n),
+              [&](const T* bx, const T* bdy, T* bdx, const T* bdh, Index m, Index b) {
+                backward_colmajor(bx, bdy, bdx, bdh, m, b, n, gsplit, b, b + m, mean, rstd, pv.gamma, dwp, dbp);
+              });
+        } else {
+          backward_colmajor(xv.data, dyp, dxp, dhp, rows, 0, n, gsplit, R0, R1, mean, rstd, pv.gamma, dwp, dbp);
         }
+        return;
       }
       // 16-bit rows: each packet widened as it is loaded where the build
       // converts whole packets (detail::packet_io); else sub-blocks widened
@@ -1448,8 +1462,8 @@ class LayerNorm {
     }
   }
 
-  // ColMajor rows of one part (groups [G0, G1) of gsplit), element (r, j)
-  // at [j * rows + r]: dx, plus dh (optional, added after), and each
+  // ColMajor rows [R0, R1) (on whole groups of gsplit's blocks), element
+  // (r, j) at [j * ld + r - o]: dx, plus dh (optional, added after), and each
   // group's dweight and dbias sums at dw_part and db_part + group * n (null:
   // not wanted). Chunks of detail::kLanePackets packets of rows, crossing
   // row groups (detail::colmajor_backward_chunk, untiled), in segments of up
@@ -1457,12 +1471,11 @@ class LayerNorm {
   // through lane_passes, fewer than L rows left over through the same passes
   // on a padded copy whose padding lanes repeat the last row and are masked
   // out of the sums.
-  static void backward_colmajor(const T* x, const T* dy, T* dx, const T* dh, Index rows, Index n,
-                                const detail::Split& gsplit, Index G0, Index G1, const T* mean, const T* rstd,
+  static void backward_colmajor(const T* x, const T* dy, T* dx, const T* dh, Index ld, Index o, Index n,
+                                const detail::Split& gsplit, Index R0, Index R1, const T* mean, const T* rstd,
                                 const T* gamma, double* dw_part, double* db_part) {
     constexpr int L = detail::simd<T>::L;
-    const Index R0 = gsplit.begin(G0), R1 = gsplit.begin(G1);
-    const Index chunk = detail::colmajor_backward_chunk<T>(rows, n, false);
+    const Index chunk = detail::colmajor_backward_chunk<T>(ld, n, false);
     const Index seg = chunk ? detail::colmajor_segment_rows<T>(chunk, n) : R1 - R0;
     // Per packet of a segment, its group; per row of a chunk, the passes'
     // sums and coefficients (lane_passes).
@@ -1472,13 +1485,13 @@ class LayerNorm {
     // Where the leading dimension puts a chunk's lines of all the features
     // into a few cache sets (detail::colmajor_aliasing), the first pass also
     // copies the chunk's x and dy side by side, for the second to read.
-    const bool copy = detail::colmajor_aliasing<T>(rows);
+    const bool copy = detail::colmajor_aliasing<T>(ld);
     detail::Scratch<T> copies(copy ? static_cast<std::size_t>(2 * chunk * n) : 0, false);
     T* const cx = copy ? copies.data() : nullptr;
-    Index gi = G0;
+    Index gi = 0;
     for (Index s0 = R0; s0 < R1; s0 += seg) {
       const Index s1 = std::min(R1, s0 + seg), m = s1 - s0, mw = m / L * L;
-      const detail::ColMajorResidual<T> residual(dx, dh, rows, n, s0, s1);  // added after
+      const detail::ColMajorResidual<T> residual(dx, dh, ld, n, s0 - o, s1 - o);  // added after
       for (Index p = 0; p * L < m; ++p) {
         while (gsplit.begin(gi + 1) <= s0 + p * L) ++gi;
         group.data()[p] = gi;
@@ -1486,7 +1499,7 @@ class LayerNorm {
       for (Index c0 = 0; c0 < mw; c0 += chunk ? chunk : mw) {
         const Index c1 = chunk ? std::min(mw, c0 + chunk) : mw;
         const Index i = s0 + c0;
-        lane_passes(x + i, dy + i, dx ? dx + i : nullptr, rows, c1 - c0, n, mean + i, rstd + i, gamma,
+        lane_passes(x + (i - o), dy + (i - o), dx ? dx + (i - o) : nullptr, ld, c1 - c0, n, mean + i, rstd + i, gamma,
                     group.data() + c0 / L, dw_part, db_part, c1 - c0, work.data(), cx);
       }
       if (mw < m) {
@@ -1496,13 +1509,13 @@ class LayerNorm {
         T* tdy = tx + L * n;
         T* tdx = tdy + L * n;
         T* ts = tdx + L * n;
-        detail::gather_lanes(x, rows, i0, k, n, Index(L), tx);
-        detail::gather_lanes(dy, rows, i0, k, n, Index(L), tdy);
+        detail::gather_lanes(x, ld, i0 - o, k, n, Index(L), tx);
+        detail::gather_lanes(dy, ld, i0 - o, k, n, Index(L), tdy);
         detail::gather_values(mean, i0, k, Index(L), ts);
         detail::gather_values(rstd, i0, k, Index(L), ts + L);
         lane_passes(tx, tdy, dx ? tdx : nullptr, L, L, n, ts, ts + L, gamma, group.data() + mw / L, dw_part,
                     db_part, k, work.data());
-        if (dx) detail::scatter_lanes(tdx, rows, i0, k, n, Index(L), dx);
+        if (dx) detail::scatter_lanes(tdx, ld, i0 - o, k, n, Index(L), dx);
       }
       residual.add_to(dx);
     }

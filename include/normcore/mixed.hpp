@@ -24,6 +24,7 @@
 
 #include "normcore/common.hpp"
 #include "normcore/detail/convert.hpp"
+#include "normcore/detail/scratch.hpp"
 #include "normcore/detail/stream.hpp"
 #include "normcore/detail/tensor.hpp"
 #include "normcore/parallel.hpp"
@@ -46,8 +47,13 @@ constexpr void check_param_type() {
 /// Copies n values from S to D (a no-op conversion when S is D). 16-bit to
 /// float and back go through F16C (half) or Eigen's packet casts when this
 /// build has them (kEigenPacketCasts) for a 16-bit packet as wide as the
-/// float one; the scalar conversions round the same way (to nearest even),
-/// so the tail matches the body.
+/// float one. Rounding float to bfloat16 with a packet cast, the last
+/// n mod L values go through the same cast as a padded packet: AVX512-BF16's
+/// conversion (Eigen's cast for 16 floats where the build has it) takes a
+/// subnormal float as zero where the scalar conversion rounds it, and
+/// Eigen's other bfloat16 casts give every NaN the same sign, so a scalar
+/// tail could differ from the body (a value's bits would depend on where it
+/// fell). Half: F16C and the scalar conversion both round IEEE's way.
 template <typename S, typename D>
 void convert_n(const S* src, D* dst, Index n) {
   using namespace Eigen::internal;
@@ -81,6 +87,14 @@ void convert_n(const S* src, D* dst, Index n) {
       constexpr int L = simd<float>::L;
       if constexpr (kEigenPacketCasts && L > 1 && unpacket_traits<PD>::size == L) {
         for (; i + L <= n; i += L) pstoreu(dst + i, pcast<PF, PD>(ploadu<PF>(src + i)));
+        if (i < n) {  // the tail as one padded packet, rounded as the body is
+          alignas(64) float f[L] = {};
+          alignas(64) D d[L];
+          std::copy(src + i, src + n, f);
+          pstoreu(d, pcast<PF, PD>(ploadu<PF>(f)));
+          std::copy(d, d + (n - i), dst + i);
+          i = n;
+        }
       }
     }
     for (; i < n; ++i) dst[i] = static_cast<D>(static_cast<float>(src[i]));
@@ -109,6 +123,84 @@ void rows_in_compute_type(const S* x, S* y, Index n, Index b, Index e, Fn&& fn) 
       fn(static_cast<const T*>(buf.data()), buf.data() + blk * n, m, r0);
       convert_n(buf.data() + blk * n, y + r0 * n, m * n);
     }
+  }
+}
+
+/// Rows r0 .. r0 + m - 1 of n ColMajor features at src (leading dimension
+/// ld) into dst with leading dimension m, converted; one run when they are
+/// all the rows (m == ld).
+template <typename S, typename D>
+void convert_rows_in(const S* src, Index ld, Index r0, Index m, Index n, D* dst) {
+  if (m == ld) {
+    convert_n(src, dst, m * n);
+  } else {
+    for (Index j = 0; j < n; ++j) convert_n(src + j * ld + r0, dst + j * m, m);
+  }
+}
+
+/// The reverse: a block of m rows (leading dimension m) back into rows
+/// r0 .. r0 + m - 1 of dst (leading dimension ld), converted.
+template <typename S, typename D>
+void convert_rows_out(const S* src, Index m, Index n, D* dst, Index ld, Index r0) {
+  if (m == ld) {
+    convert_n(src, dst, m * n);
+  } else {
+    for (Index j = 0; j < n; ++j) convert_n(src + j * m, dst + j * ld + r0, m);
+  }
+}
+
+/// Runs fn(view, yb, r0) over ColMajor rows [b, e) of n features stored as
+/// S (element (r, j) at x[j * ld + r]): blocks of `blk` rows widened into a
+/// float buffer from the calling thread's scratch (detail::Scratch), whose
+/// leading dimension is the block's row count; view is that block as a
+/// ColMajor Matrix2D<T>, fn writes its y into yb (same layout) and row r0's
+/// statistics onward; y is rounded once back into S (y null: statistics
+/// only, yb null). A row's values are the same wherever it sits, so are its
+/// results.
+template <typename T, typename S, typename Fn>
+void colmajor_in_compute_type(const S* x, S* y, Index ld, Index n, Index b, Index e, Index blk, Fn&& fn) {
+  if (e <= b) return;
+  blk = std::min(blk, e - b);
+  Scratch<T> buf(static_cast<std::size_t>((y ? 2 : 1) * blk * n), false);
+  T* const xb = buf.data();
+  T* const yb = y ? xb + blk * n : nullptr;
+  for (Index r0 = b; r0 < e; r0 += blk) {
+    const Index m = std::min(blk, e - r0);
+    convert_rows_in(x, ld, r0, m, n, xb);
+    Matrix2D<T> v;
+    v.data = xb;
+    v.rows = m;
+    v.cols = n;
+    v.row_major = false;
+    fn(static_cast<const Matrix2D<T>&>(v), yb, r0);
+    if (y) convert_rows_out(yb, m, n, y, ld, r0);
+  }
+}
+
+/// The backward's counterpart of colmajor_in_compute_type: runs fn(bx, bdy,
+/// bdx, bdh, m, r0) over ColMajor rows [b, e) of n features stored as S, in
+/// blocks of `blk` rows starting at b (each block's rows r0 .. r0 + m - 1
+/// at bx[j * m + r - r0]), x, dy and dh (when not null) widened into float
+/// buffers from the calling thread's scratch; bdx (null when dx is) is
+/// rounded once into dx after fn.
+template <typename T, typename S, typename Fn>
+void colmajor_backward_in_compute_type(const S* x, const S* dy, S* dx, const S* dh, Index ld, Index n, Index b,
+                                       Index e, Index blk, Fn&& fn) {
+  if (e <= b) return;
+  blk = std::min(blk, e - b);
+  const Index bn = blk * n;
+  Scratch<T> buf(static_cast<std::size_t>((2 + (dx ? 1 : 0) + (dh ? 1 : 0)) * bn), false);
+  T* const bx = buf.data();
+  T* const bdy = bx + bn;
+  T* const bdx = dx ? bdy + bn : nullptr;
+  T* const bdh = dh ? bdy + (dx ? 2 : 1) * bn : nullptr;
+  for (Index r0 = b; r0 < e; r0 += blk) {
+    const Index m = std::min(blk, e - r0);
+    convert_rows_in(x, ld, r0, m, n, bx);
+    convert_rows_in(dy, ld, r0, m, n, bdy);
+    if (dh) convert_rows_in(dh, ld, r0, m, n, bdh);
+    fn(static_cast<const T*>(bx), static_cast<const T*>(bdy), bdx, static_cast<const T*>(bdh), m, r0);
+    if (dx) convert_rows_out(bdx, m, n, dx, ld, r0);
   }
 }
 
@@ -159,8 +251,8 @@ constexpr void check_same_scalar() {
                 "normcore: these tensors must have the same scalar type (input, output and gradients)");
 }
 
-/// A float copy of a 16-bit tensor, same dims and layout (the ColMajor and
-/// BatchNorm paths).
+/// A float copy of a 16-bit tensor, same dims and layout (BatchNorm's
+/// paths).
 template <typename X>
 auto widen(const X& x) {
   using Tr = tensor_traits<X>;
@@ -222,8 +314,8 @@ namespace detail {
 /// dx (a pointer or nullptr) and dh_next (a pointer, possibly null) against
 /// each other and the normalized shape, takes the views, and calls
 /// impl(view, dy, dx, dh) with raw pointers (dx, dh null when absent).
-/// 16-bit ColMajor data go through whole float copies (impl then sees
-/// float), dx rounded once at the end.
+/// 16-bit data arrive as they are stored (ColMajor ones are widened a block
+/// of rows at a time in the layers' backward_impl).
 template <typename T, typename X, typename DY, typename DX, typename DH, typename Impl>
 void row_backward_entry(const char* who, const std::vector<Index>& shape, const X& x, const DY& dy, DX dx,
                         const DH* dh, Impl&& impl) {
@@ -246,22 +338,6 @@ void row_backward_entry(const char* who, const std::vector<Index>& shape, const 
     if (dx) {
       check_same_shape(who, "dx", x, *dx);
       dxp = dx->data();
-    }
-  }
-  if constexpr (!std::is_same<S, T>::value) {
-    if (!xv.row_major) {
-      const auto xf = widen(x);
-      const auto dyf = widen(dy);
-      auto dxf = float_like(x);
-      decltype(widen(x)) dhf;
-      if (dh) dhf = widen(*dh);
-      const auto fv = split_view<T>(who, "input", xf, shape);
-      impl(fv, dyf.data(), dxp ? dxf.data() : static_cast<T*>(nullptr),
-           dh ? static_cast<const T*>(dhf.data()) : static_cast<const T*>(nullptr));
-      if constexpr (!std::is_null_pointer<DX>::value) {
-        if (dxp) narrow(dxf, *dx);
-      }
-      return;
     }
   }
   impl(xv, static_cast<const S*>(dy.data()), dxp, dh ? static_cast<const S*>(dh->data()) : static_cast<const S*>(nullptr));

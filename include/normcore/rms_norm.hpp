@@ -411,12 +411,7 @@ class RMSNorm {
   }
 
   template <typename Device, typename X, typename Y>
-  // may_stream false: y is a float copy of a 16-bit ColMajor output, read
-  // back at once (no streaming stores: their gate is for float and double
-  // storage).
-  void forward_impl(const Device& device, const X& x, Y& y, NormStats<T>* saved, bool may_stream = true) const {
-    using namespace Eigen::internal;
-    using Packet = typename detail::simd<T>::Packet;
+  void forward_impl(const Device& device, const X& x, Y& y, NormStats<T>* saved) const {
     constexpr int L = detail::simd<T>::L;
     using S = typename detail::tensor_traits<X>::Scalar;
     detail::check_storage<T, X>();
@@ -425,15 +420,6 @@ class RMSNorm {
     static_assert(detail::tensor_traits<Y>::writable, "normcore: the output must be writable");
     const auto xv = detail::split_view<S>(kWho, "input", x, options_.normalized_shape());
     detail::check_same_shape(kWho, "output", x, y);
-    if constexpr (!std::is_same<S, T>::value) {
-      if (!xv.row_major) {  // ColMajor 16-bit: through a whole float copy
-        const auto xf = detail::widen(x);
-        auto yf = detail::float_like(x);
-        forward_impl(device, xf, yf, saved, false);
-        detail::narrow(yf, y);
-        return;
-      }
-    }
     if (saved) {
       saved->mean.resize(0);
       detail::resize_vector(saved->rstd, xv.rows);
@@ -467,100 +453,127 @@ class RMSNorm {
       });
       return;
     }
-    if constexpr (std::is_same<S, T>::value) {
-      const auto pv = detail::param_view(true, options_.normalized_shape(), prm.gamma,
-                                         static_cast<const T*>(nullptr), n);
-      const T* g = pv.gamma;
-      detail::Scratch<W> r(static_cast<std::size_t>(rows), false);  // the calling thread's (kept between calls)
-      const bool stream = may_stream && detail::can_stream_colmajor(xv.data, out, rows, n);
-      // Rows whose rstd is not a normal T: exact scalar path in long double.
-      auto exact_row = [&](Index i) {
-        const W ri = r.data()[i];
-        for (Index j = 0; j < n; ++j) {
-          long double v = static_cast<long double>(xv.data[i + j * rows]) * ri;
-          if (g) v *= static_cast<long double>(g[j]);
-          out[i + j * rows] = static_cast<T>(v);
+    const auto pv = detail::param_view(true, options_.normalized_shape(), prm.gamma,
+                                       static_cast<const T*>(nullptr), n);
+    detail::run_parts(device, parts, [&](Index p) {
+      if constexpr (std::is_same<S, T>::value) {
+        forward_colmajor(xv, out, rsave, split.begin(p), split.begin(p + 1), pv.gamma, true);
+      } else {
+        // 16-bit: blocks of rows widened into float (no streaming stores
+        // into the block's buffer, read back at once).
+        detail::colmajor_in_compute_type<T>(xv.data, out, rows, n, split.begin(p), split.begin(p + 1),
+                                            detail::colmajor_stage_rows<T>(n),
+                                            [&](const detail::Matrix2D<T>& v, T* yb, Index r0) {
+                                              forward_colmajor(v, yb, rsave ? rsave + r0 : nullptr, 0, v.rows,
+                                                               pv.gamma, false);
+                                            });
+      }
+    });
+  }
+
+  // ColMajor: element (r, j) at data[j * rows + r]; rows are SIMD lanes.
+  // Rows [r0, r1), r0 a multiple of the packet size, in segments of rows
+  // (detail::colmajor_forward_segment, as LayerNorm's), each its rstd and
+  // then its normalize while its x is in the cache. rsave (optional): rstd.
+  void forward_colmajor(const detail::Matrix2D<T>& xv, T* out, T* rsave, Index r0, Index r1, const T* g,
+                        bool may_stream) const {
+    const Index seg = detail::colmajor_forward_segment<T>(xv.rows, xv.cols);
+    const Index step = seg ? seg : r1 - r0;
+    for (Index s0 = r0; s0 < r1; s0 += step)
+      forward_colmajor_rows(xv, out, rsave, s0, std::min(r1, s0 + step), g, may_stream);
+  }
+  void forward_colmajor_rows(const detail::Matrix2D<T>& xv, T* out, T* rsave, Index r0, Index r1, const T* g,
+                             bool may_stream) const {
+    using namespace Eigen::internal;
+    using Packet = typename detail::simd<T>::Packet;
+    constexpr int L = detail::simd<T>::L;
+    const Index rows = xv.rows, n = xv.cols;
+    detail::Scratch<W> r(static_cast<std::size_t>(r1 - r0), false);  // the calling thread's (kept between calls)
+    const bool stream = may_stream && detail::can_stream_colmajor(xv.data, out, rows, n);
+    // Rows whose rstd is not a normal T: exact scalar path in long double.
+    auto exact_row = [&](Index i) {
+      const W ri = r.data()[i - r0];
+      for (Index j = 0; j < n; ++j) {
+        long double v = static_cast<long double>(xv.data[i + j * rows]) * ri;
+        if (g) v *= static_cast<long double>(g[j]);
+        out[i + j * rows] = static_cast<T>(v);
+      }
+    };
+    lane_rstd(xv, r0, r1, r.data());
+    if (rsave)
+      for (Index i = r0; i < r1; ++i) rsave[i] = static_cast<T>(r.data()[i - r0]);
+    // Packets of rows; leftover rows padded; abnormal rows redone.
+    detail::Scratch<T> rt(static_cast<std::size_t>(r1 - r0), false);
+    for (Index i = r0; i < r1; ++i) {
+      const W ri = r.data()[i - r0];
+      rt.data()[i - r0] = detail::normal_in<T>(ri) ? static_cast<T>(ri) : T(0);
+    }
+    // K packets of rows side by side (detail::for_lane_blocks); each
+    // lane's arithmetic is the same whatever K. s_c: streaming stores
+    // (detail::can_stream_colmajor).
+    auto lanes = [&](auto k_c, auto s_c, const T* xb, T* yb, Index ld, const T* rb) {
+      constexpr int K = decltype(k_c)::value;
+      const Index nl = n;  // locals: the packet stores may alias anything
+      const T* const gl = g;
+      Packet pr[K];
+      NORMCORE_UNROLL
+      for (int k = 0; k < K; ++k) pr[k] = ploadu<Packet>(rb + k * L);
+      for (Index j = 0; j < nl; ++j) {
+        const T* xj = xb + j * ld;
+        T* yj = yb + j * ld;
+        const Packet gj = pset1<Packet>(gl ? gl[j] : T(1));
+        NORMCORE_UNROLL
+        for (int k = 0; k < K; ++k) {
+          Packet v = pmul(ploadu<Packet>(xj + k * L), pr[k]);
+          if (gl) v = pmul(v, gj);
+          detail::store_packet<decltype(s_c)::value>(yj + k * L, v);
         }
-      };
-      detail::run_parts(device, parts, [&](Index p) {
-        const Index r0 = split.begin(p), r1 = split.begin(p + 1);
-        lane_rstd(xv, r0, r1, r.data() + r0);
-        if (rsave)
-          for (Index i = r0; i < r1; ++i) rsave[i] = static_cast<T>(r.data()[i]);
-        // Packets of rows; leftover rows padded; abnormal rows redone.
-        detail::Scratch<T> rt(static_cast<std::size_t>(r1 - r0), false);
-        for (Index i = r0; i < r1; ++i) {
-          const W ri = r.data()[i];
-          rt.data()[i - r0] = detail::normal_in<T>(ri) ? static_cast<T>(ri) : T(0);
-        }
-        // K packets of rows side by side (detail::for_lane_blocks); each
-        // lane's arithmetic is the same whatever K. s_c: streaming stores
-        // (detail::can_stream_colmajor).
-        auto lanes = [&](auto k_c, auto s_c, const T* xb, T* yb, Index ld, const T* rb) {
-          constexpr int K = decltype(k_c)::value;
-          const Index nl = n;  // locals: the packet stores may alias anything
-          const T* const gl = g;
-          Packet pr[K];
-          NORMCORE_UNROLL
-          for (int k = 0; k < K; ++k) pr[k] = ploadu<Packet>(rb + k * L);
-          for (Index j = 0; j < nl; ++j) {
-            const T* xj = xb + j * ld;
-            T* yj = yb + j * ld;
-            const Packet gj = pset1<Packet>(gl ? gl[j] : T(1));
-            NORMCORE_UNROLL
-            for (int k = 0; k < K; ++k) {
-              Packet v = pmul(ploadu<Packet>(xj + k * L), pr[k]);
-              if (gl) v = pmul(v, gj);
-              detail::store_packet<decltype(s_c)::value>(yj + k * L, v);
-            }
-          }
-        };
-        Index i0 = r0 + (r1 - r0) / L * L;
-        if (detail::colmajor_column_walk<T>(rows, stream)) {
-          // A feature at a time through runs of rows (as LayerNorm's
-          // normalize_columns): the same arithmetic a lane. Locals, not the
-          // captured references (the packet stores may alias anything).
-          constexpr Index seg = detail::kColumnRunBytes / Index(sizeof(T));
-          const T* const gl = g;
-          const T* const xd = xv.data;
-          T* const od = out;
-          const T* const rb = rt.data();
-          const Index nl = n, ld = rows, first = r0, end = i0;
-          for (Index s0 = first; s0 < end; s0 += seg) {
-            const Index s1 = std::min(end, s0 + seg);
-            for (Index j = 0; j < nl; ++j) {
-              const T* const xj = xd + j * ld;
-              T* const yj = od + j * ld;
-              const Packet gj = pset1<Packet>(gl ? gl[j] : T(1));
-              detail::for_packets<L>(s0, s1, [&](Index i) NORMCORE_INLINE_LAMBDA {
-                Packet v = pmul(ploadu<Packet>(xj + i), ploadu<Packet>(rb + (i - first)));
-                if (gl) v = pmul(v, gj);
-                pstoreu(yj + i, v);
-              });
-            }
-          }
-        } else {
-          i0 = detail::for_lane_blocks<detail::kLanePackets>(r0, r1, L, [&](auto k_c, Index i) {
-            if (stream)
-              lanes(k_c, std::true_type(), xv.data + i, out + i, rows, rt.data() + (i - r0));
-            else
-              lanes(k_c, std::false_type(), xv.data + i, out + i, rows, rt.data() + (i - r0));
+      }
+    };
+    Index i0 = r0 + (r1 - r0) / L * L;
+    if (detail::colmajor_column_walk<T>(rows, stream)) {
+      // A feature at a time through runs of rows (as LayerNorm's
+      // normalize_columns): the same arithmetic a lane. Locals, not the
+      // captured references (the packet stores may alias anything).
+      constexpr Index seg = detail::kColumnRunBytes / Index(sizeof(T));
+      const T* const gl = g;
+      const T* const xd = xv.data;
+      T* const od = out;
+      const T* const rb = rt.data();
+      const Index nl = n, ld = rows, first = r0, end = i0;
+      for (Index s0 = first; s0 < end; s0 += seg) {
+        const Index s1 = std::min(end, s0 + seg);
+        for (Index j = 0; j < nl; ++j) {
+          const T* const xj = xd + j * ld;
+          T* const yj = od + j * ld;
+          const Packet gj = pset1<Packet>(gl ? gl[j] : T(1));
+          detail::for_packets<L>(s0, s1, [&](Index i) NORMCORE_INLINE_LAMBDA {
+            Packet v = pmul(ploadu<Packet>(xj + i), ploadu<Packet>(rb + (i - first)));
+            if (gl) v = pmul(v, gj);
+            pstoreu(yj + i, v);
           });
         }
-        if (stream) detail::stream_fence();  // before the exact rows' stores
-        if (i0 < r1) {
-          const Index m = r1 - i0;
-          std::vector<T> tmp(static_cast<std::size_t>(2 * L * n + L));
-          detail::gather_lanes(xv.data, rows, i0, m, n, Index(L), tmp.data());
-          detail::gather_values(rt.data(), i0 - r0, m, Index(L), tmp.data() + 2 * L * n);
-          lanes(std::integral_constant<int, 1>(), std::false_type(), tmp.data(), tmp.data() + L * n, L,
-                tmp.data() + 2 * L * n);
-          detail::scatter_lanes(tmp.data() + L * n, rows, i0, m, n, Index(L), out);
-        }
-        for (Index i = r0; i < r1; ++i)
-          if (!detail::normal_in<T>(r.data()[i])) exact_row(i);
+      }
+    } else {
+      i0 = detail::for_lane_blocks<detail::kLanePackets>(r0, r1, L, [&](auto k_c, Index i) {
+        if (stream)
+          lanes(k_c, std::true_type(), xv.data + i, out + i, rows, rt.data() + (i - r0));
+        else
+          lanes(k_c, std::false_type(), xv.data + i, out + i, rows, rt.data() + (i - r0));
       });
     }
+    if (stream) detail::stream_fence();  // before the exact rows' stores
+    if (i0 < r1) {
+      const Index m = r1 - i0;
+      std::vector<T> tmp(static_cast<std::size_t>(2 * L * n + L));
+      detail::gather_lanes(xv.data, rows, i0, m, n, Index(L), tmp.data());
+      detail::gather_values(rt.data(), i0 - r0, m, Index(L), tmp.data() + 2 * L * n);
+      lanes(std::integral_constant<int, 1>(), std::false_type(), tmp.data(), tmp.data() + L * n, L,
+            tmp.data() + 2 * L * n);
+      detail::scatter_lanes(tmp.data() + L * n, rows, i0, m, n, Index(L), out);
+    }
+    for (Index i = r0; i < r1; ++i)
+      if (!detail::normal_in<T>(r.data()[i - r0])) exact_row(i);
   }
 
   // Rows per group in forward_rows when the rows fit in kResidentBytes
@@ -787,12 +800,29 @@ class RMSNorm {
       std::vector<T> buf(static_cast<std::size_t>((staged ? 4 : wide ? 1 : 0) * sb * n));
       std::vector<W> r;
       GradAcc gacc(xv.row_major ? n : 0, dweight != nullptr);
-      if constexpr (!wide) {  // (16-bit ColMajor inputs arrive widened)
-        if (!xv.row_major) {
-          backward_colmajor(xv, dyp, dx, dhp, gsplit, psplit.begin(p), psplit.begin(p + 1), g,
-                            dweight ? dw_part.data() : nullptr, saved);
-          return;
+      if (!xv.row_major) {
+        const Index R0 = gsplit.begin(psplit.begin(p)), R1 = gsplit.begin(psplit.begin(p + 1));
+        double* const dwp = dweight ? dw_part.data() : nullptr;
+        ExactRows exact;
+        if constexpr (wide) {
+          // 16-bit: blocks of rows widened into float, on whole blocks of
+          // gsplit's alignment from the part's start (the float path's lane
+          // blocks, so its sums), the exact rows' dweight terms after all.
+          detail::colmajor_backward_in_compute_type<T>(
+              xv.data, dyp, dx, dhp, rows, n, R0, R1, detail::colmajor_stage_rows<T>(n),
+              [&](const T* bx, const T* bdy, T* bdx, const T* bdh, Index m, Index b) {
+                detail::Matrix2D<T> v;
+                v.data = const_cast<T*>(bx);
+                v.rows = m;
+                v.cols = n;
+                v.row_major = false;
+                backward_colmajor(v, b, bdy, bdx, bdh, gsplit, b, b + m, g, dwp, saved, exact);
+              });
+        } else {
+          backward_colmajor(xv, 0, dyp, dx, dhp, gsplit, R0, R1, g, dwp, saved, exact);
         }
+        exact.add_dweight(dwp, gsplit, n);
+        return;
       }
       for (Index gi = psplit.begin(p); gi < psplit.begin(p + 1); ++gi) {
         const Index g0 = gsplit.begin(gi), g1 = gsplit.begin(gi + 1);
@@ -1147,23 +1177,49 @@ class RMSNorm {
     }
   }
 
-  // ColMajor rows of one part (whole groups [G0, G1) of gsplit): dx, plus
-  // dh (optional, added after), and each group's dweight sums in
-  // dw_part + group * n (null: no dweight). Chunks of rows or the whole part
+  // Rows of a ColMajor backward's part on the exact path (their rstd is not
+  // a normal T), redone after the packets: row and rstd, and their x and dy
+  // (row e at kept[2 * n * e], dy after x), kept before the passes write
+  // dx, which may lie over x or dy.
+  struct ExactRows {
+    std::vector<std::pair<Index, W>> rows;
+    std::vector<T> kept;
+    // Their dweight terms, added straight into each row's group's sums
+    // (after all the part's packets).
+    void add_dweight(double* dw_part, const detail::Split& gsplit, Index n) const {
+      for (std::size_t e = 0; dw_part && e < rows.size(); ++e) {
+        const auto [r, ri] = rows[e];
+        const T* const xr = kept.data() + 2 * static_cast<std::size_t>(n) * e;
+        const T* const yr = xr + n;
+        Index gi = 0;
+        while (gsplit.begin(gi + 1) <= r) ++gi;
+        double* const dwp = dw_part + gi * n;
+        for (Index j = 0; j < n; ++j) {
+          const long double xh = static_cast<long double>(xr[j]) * ri;
+          dwp[j] += static_cast<double>(static_cast<long double>(yr[j]) * xh);
+        }
+      }
+    }
+  };
+
+  // ColMajor rows [R0, R1) of a part (on whole blocks of gsplit's
+  // alignment), row r of feature j at xv.data[j * xv.rows + r - o] (so dy,
+  // dx, dh): dx, plus dh (optional, added after), and each group's dweight
+  // sums in dw_part + group * n (null: no dweight). Chunks of rows or the whole part
   // (detail::colmajor_backward_chunk), in segments of up to
   // detail::kSegmentBytes of x, each with its rstd (recomputed, without
   // saved statistics, just before the passes read x again) and its dh.
   // Whole packets of rows go through lane_passes; fewer than L rows left
   // over through the same passes on a padded copy. A row whose rstd is not
   // a normal T gets rstd 0 and mask 0 in the passes and is redone exactly:
-  // its dx in its segment, its dweight terms after all the part's packets
-  // (as each group's sums always took them: its packets in row order, then
-  // its exact rows).
-  void backward_colmajor(const detail::Matrix2D<T>& xv, const T* dyp, T* dx, const T* dhp, const detail::Split& gsplit,
-                         Index G0, Index G1, const T* g, double* dw_part, const NormStats<T>* saved) const {
+  // its dx in its segment; its x and dy kept in `exact`, whose dweight
+  // terms the caller adds after all the part's packets (as each group's
+  // sums always took them: its packets in row order, then its exact rows).
+  void backward_colmajor(const detail::Matrix2D<T>& xv, Index o, const T* dyp, T* dx, const T* dhp,
+                         const detail::Split& gsplit, Index R0, Index R1, const T* g, double* dw_part,
+                         const NormStats<T>* saved, ExactRows& exact) const {
     constexpr int L = detail::simd<T>::L;
-    const Index rows = xv.rows, n = xv.cols;
-    const Index R0 = gsplit.begin(G0), R1 = gsplit.begin(G1);
+    const Index rows = xv.rows, n = xv.cols;  // (rows: the leading dimension)
     const Index chunk = detail::colmajor_backward_chunk<T>(rows, n, true);
     const Index seg = chunk ? detail::colmajor_segment_rows<T>(chunk, n) : R1 - R0;
     const Index sp = (std::min(seg, R1 - R0) + L - 1) / L * L;  // a segment's rows, padded
@@ -1182,16 +1238,11 @@ class RMSNorm {
       while (gsplit.begin(gi + 1) <= i) ++gi;
       return gi;
     };
-    // Rows on the exact path, redone after the packets, and their x and dy
-    // (row e at kept[2 * n * e], dy after x), kept before the passes write dx,
-    // which may lie over x or dy.
-    std::vector<std::pair<Index, W>> exact;
-    std::vector<T> kept;
-    Index gi = G0;
+    Index gi = 0;
     for (Index s0 = R0; s0 < R1; s0 += seg) {
       const Index s1 = std::min(R1, s0 + seg), m = s1 - s0;
-      const detail::ColMajorResidual<T> residual(dx, dhp, rows, n, s0, s1);  // added after
-      const std::size_t first_exact = exact.size();
+      const detail::ColMajorResidual<T> residual(dx, dhp, rows, n, s0 - o, s1 - o);  // added after
+      const std::size_t first_exact = exact.rows.size();
       // rstd: saved (one that is not a normal T recomputed), or recomputed.
       bool abnormal = false;  // a row of the segment takes the exact path
       if (saved) {
@@ -1201,7 +1252,7 @@ class RMSNorm {
           abnormal = abnormal || !detail::normal_in<T>(sr[i]);
         }
         if (abnormal) {
-          lane_rstd(xv, s0, s1, rg);
+          lane_rstd(xv, s0 - o, s1 - o, rg);
           for (Index i = 0; i < m; ++i) {
             if (detail::normal_in<T>(rt[i])) {
               rg[i] = rt[i];
@@ -1211,7 +1262,7 @@ class RMSNorm {
           }
         }
       } else {
-        lane_rstd(xv, s0, s1, rg);
+        lane_rstd(xv, s0 - o, s1 - o, rg);
         for (Index i = 0; i < m; ++i) {
           rt[i] = static_cast<T>(rg[i]);
           abnormal = abnormal || !detail::normal_in<T>(rg[i]);
@@ -1222,9 +1273,9 @@ class RMSNorm {
         for (Index i = 0; i < m; ++i) {
           if (detail::normal_in<T>(rg[i])) continue;
           rt[i] = mk[i] = T(0);
-          exact.emplace_back(s0 + i, rg[i]);
-          for (Index j = 0; j < n; ++j) kept.push_back(xv.data[s0 + i + j * rows]);
-          for (Index j = 0; j < n; ++j) kept.push_back(dyp[s0 + i + j * rows]);
+          exact.rows.emplace_back(s0 + i, rg[i]);
+          for (Index j = 0; j < n; ++j) exact.kept.push_back(xv.data[s0 - o + i + j * rows]);
+          for (Index j = 0; j < n; ++j) exact.kept.push_back(dyp[s0 - o + i + j * rows]);
         }
       }
       for (Index p = 0; p * L < m; ++p) {
@@ -1234,8 +1285,9 @@ class RMSNorm {
       const Index mw = m / L * L;
       for (Index c0 = 0; c0 < mw; c0 += chunk ? chunk : mw) {
         const Index c1 = chunk ? std::min(mw, c0 + chunk) : mw;
-        lane_passes(xv.data + s0 + c0, dyp + s0 + c0, dx ? dx + s0 + c0 : nullptr, rows, c1 - c0, n, g, rt + c0,
-                    nc + c0, mk + c0, group.data() + c0 / L, dw_part);
+        const Index i = s0 - o + c0;
+        lane_passes(xv.data + i, dyp + i, dx ? dx + i : nullptr, rows, c1 - c0, n, g, rt + c0, nc + c0, mk + c0,
+                    group.data() + c0 / L, dw_part);
       }
       if (mw < m) {
         // The leftover rows (the part's last) on a copy padded to a packet:
@@ -1245,20 +1297,20 @@ class RMSNorm {
         T* tx = tmp.data();
         T* tdy = tx + L * n;
         T* tdx = tdy + L * n;
-        detail::gather_lanes(xv.data, rows, i0, k, n, Index(L), tx);
-        detail::gather_lanes(dyp, rows, i0, k, n, Index(L), tdy);
+        detail::gather_lanes(xv.data, rows, i0 - o, k, n, Index(L), tx);
+        detail::gather_lanes(dyp, rows, i0 - o, k, n, Index(L), tdy);
         for (Index l = k; l < L; ++l) {
           rt[mw + l] = rt[mw + k - 1];
           mk[mw + l] = T(0);
         }
         lane_passes(tx, tdy, dx ? tdx : nullptr, L, L, n, g, rt + mw, nc + mw, mk + mw, group.data() + mw / L,
                     dw_part);
-        if (dx) detail::scatter_lanes(tdx, rows, i0, k, n, Index(L), dx);
+        if (dx) detail::scatter_lanes(tdx, rows, i0 - o, k, n, Index(L), dx);
       }
       // The exact path's dx: the row's sums in long double.
-      for (std::size_t e = first_exact; dx && e < exact.size(); ++e) {
-        const auto [r, ri] = exact[e];
-        const T* const xr = kept.data() + 2 * static_cast<std::size_t>(n) * e;
+      for (std::size_t e = first_exact; dx && e < exact.rows.size(); ++e) {
+        const auto [r, ri] = exact.rows[e];
+        const T* const xr = exact.kept.data() + 2 * static_cast<std::size_t>(n) * e;
         const T* const yr = xr + n;
         long double sgx = 0;
         for (Index j = 0; j < n; ++j) {
@@ -1269,22 +1321,10 @@ class RMSNorm {
         for (Index j = 0; j < n; ++j) {
           const long double xh = static_cast<long double>(xr[j]) * ri;
           const long double gj = static_cast<long double>(yr[j]) * (g ? static_cast<long double>(g[j]) : 1.0L);
-          dx[r + j * rows] = static_cast<T>(ri * (gj - xh * c));
+          dx[r - o + j * rows] = static_cast<T>(ri * (gj - xh * c));
         }
       }
       residual.add_to(dx);
-    }
-    // The exact path's dweight terms, added straight into the row's group's
-    // sums after all its packets'.
-    for (std::size_t e = 0; dw_part && e < exact.size(); ++e) {
-      const auto [r, ri] = exact[e];
-      const T* const xr = kept.data() + 2 * static_cast<std::size_t>(n) * e;
-      const T* const yr = xr + n;
-      double* const dwp = dw_part + group_of(r, G0) * n;
-      for (Index j = 0; j < n; ++j) {
-        const long double xh = static_cast<long double>(xr[j]) * ri;
-        dwp[j] += static_cast<double>(static_cast<long double>(yr[j]) * xh);
-      }
     }
   }
 
