@@ -246,20 +246,25 @@ class BatchNorm {
     detail::check_same_scalar<X, DY>();
     if constexpr (detail::is_16bit<X>()) {
       // Statistics span the whole batch: 16-bit tensors go through whole
-      // float copies.
-      const auto xf = detail::widen(x);
-      const auto dyf = detail::widen(dy);
-      if constexpr (std::is_null_pointer<DX>::value) {
-        backward(device, xf, dyf, nullptr, dweight, dbias, saved);
-      } else {
-        if (!dx) {
-          backward(device, xf, dyf, nullptr, dweight, dbias, saved);
-          return;
+      // float copies (detail::FloatCopy).
+      bool with_dx = false;
+      if constexpr (!std::is_null_pointer<DX>::value) {
+        if (dx) {
+          detail::check_same_shape(kWho, "dx", x, *dx);
+          with_dx = true;
         }
-        detail::check_same_shape(kWho, "dx", x, *dx);
-        auto dxf = detail::float_like(x);
-        backward(device, xf, dyf, &dxf, dweight, dbias, saved);
-        detail::narrow(dxf, *dx);
+      }
+      const bool in_arena = detail::copies_fit_scratch(x, with_dx ? 3 : 2);
+      const detail::FloatCopy<X> xf(x, true, in_arena);
+      const detail::FloatCopy<DY> dyf(dy, true, in_arena);
+      if (!with_dx) {
+        backward(device, xf.map(), dyf.map(), nullptr, dweight, dbias, saved);
+        return;
+      }
+      if constexpr (!std::is_null_pointer<DX>::value) {
+        detail::FloatCopy<X> dxf(x, false, in_arena);
+        backward(device, xf.map(), dyf.map(), &dxf.map(), dweight, dbias, saved);
+        detail::convert_n(dxf.map().data(), dx->data(), x.size());
       }
       return;
     } else {
@@ -554,10 +559,11 @@ class BatchNorm {
     detail::check_same_scalar<X, Y>();
     if constexpr (detail::is_16bit<X>()) {
       detail::check_same_shape(kWho, "output", x, y);
-      const auto xf = detail::widen(x);
-      auto yf = detail::float_like(x);
-      forward_float(device, xf, yf, saved);
-      detail::narrow(yf, y);
+      const bool in_arena = detail::copies_fit_scratch(x, 2);
+      const detail::FloatCopy<X> xf(x, true, in_arena);
+      detail::FloatCopy<X> yf(x, false, in_arena);
+      forward_float(device, xf.map(), yf.map(), saved);
+      detail::convert_n(yf.map().data(), y.data(), x.size());
     } else {
       forward_float(device, x, y, saved);
     }

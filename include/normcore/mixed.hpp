@@ -251,22 +251,6 @@ constexpr void check_same_scalar() {
                 "normcore: these tensors must have the same scalar type (input, output and gradients)");
 }
 
-/// A float copy of a 16-bit tensor, same dims and layout (BatchNorm's
-/// paths).
-template <typename X>
-auto widen(const X& x) {
-  using Tr = tensor_traits<X>;
-  Eigen::Tensor<float, Tr::rank, Tr::layout> f(x.dimensions());
-  convert_n(x.data(), f.data(), f.size());
-  return f;
-}
-
-/// Rounds a float tensor once into a 16-bit tensor or map of the same size.
-template <typename F, typename Y>
-void narrow(const F& f, Y& y) {
-  convert_n(f.data(), y.data(), f.size());
-}
-
 /// h = x + residual, summed in float and rounded once to S, for n values;
 /// with hf, also the stored (rounded) h widened back to float. One pass of
 /// packets (16-bit loads widened, sums narrowed, then widened again: exact).
@@ -298,10 +282,41 @@ void add_rows(const S* x, const S* r, S* h, float* hf, Index n) {
   }
 }
 
+/// A float tensor (map) of x's dims and layout, x's values widened into it
+/// when `copy`: BatchNorm's whole copies of 16-bit tensors. In the calling
+/// thread's scratch (detail::Scratch, kept between calls) when `in_arena`
+/// (the caller's copies together fit in kScratchKeepBytes), else in an
+/// Eigen tensor of its own for the call. As Eigen tensors every copy came from
+/// glibc's heap, which, depending on what else the process held, gave the
+/// pages back at each return and faulted them in again at the next call:
+/// on the Zen 5 guest BatchNorm's bfloat16 forward at 8x256x196 took 10 ms
+/// a call, about 40 times its time with the copies kept.
 template <typename X>
-auto float_like(const X& x) {
+class FloatCopy {
   using Tr = tensor_traits<X>;
-  return Eigen::Tensor<float, Tr::rank, Tr::layout>(x.dimensions());
+  using Map = Eigen::TensorMap<Eigen::Tensor<float, Tr::rank, Tr::layout>>;
+  using Dims = Eigen::DSizes<Eigen::Index, Tr::rank>;
+
+ public:
+  FloatCopy(const X& x, bool copy, bool in_arena)
+      : arena_(in_arena ? static_cast<std::size_t>(x.size()) : 0, false),
+        heap_(in_arena ? Dims() : Dims(x.dimensions())),
+        map_(in_arena ? arena_.data() : heap_.data(), x.dimensions()) {
+    if (copy) convert_n(x.data(), map_.data(), x.size());
+  }
+  Map& map() { return map_; }
+  const Map& map() const { return map_; }
+
+ private:
+  Scratch<float> arena_;
+  Eigen::Tensor<float, Tr::rank, Tr::layout> heap_;
+  Map map_;
+};
+
+/// Whether `count` float copies of x fit in a thread's kept scratch.
+template <typename X>
+bool copies_fit_scratch(const X& x, int count) {
+  return static_cast<std::size_t>(x.size()) * sizeof(float) * static_cast<std::size_t>(count) <= kScratchKeepBytes;
 }
 
 }  // namespace detail

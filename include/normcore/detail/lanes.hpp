@@ -194,9 +194,10 @@ Index colmajor_forward_segment(Index rows, Index n) {
 /// block at a time (colmajor_in_compute_type): whole blocks of kLanePackets
 /// packets, about kSegmentBytes of float x (colmajor_segment_rows), so that
 /// the block's x and y stay in the L2 while it is normalized and rounded
-/// back. Measured on the Zen 5 guest (bfloat16, 1 thread, 3 shuffled rounds,
-/// against whole float copies): blocks of 16-32 rows of 768 took 1.7x the
-/// time, of 128 rows 0.93x, these (64 rows) 0.80-0.84x.
+/// back. Measured on the Zen 5 guest (bfloat16 forwards at 1024x768, 1
+/// thread, 3 shuffled rounds, against whole float copies): blocks of 16 rows
+/// took 1.73-1.78x the time, of 32 rows 0.93-0.94x, of 128 rows 0.90-0.91x,
+/// these (64 rows) 0.78-0.85x.
 template <typename T>
 Index colmajor_stage_rows(Index n) {
   return colmajor_segment_rows<T>(Index(kLanePackets) * simd<T>::L, n);
