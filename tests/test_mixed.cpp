@@ -478,8 +478,9 @@ TEST(Mixed, HalfConversionTailsRoundAsTheBody) { check_conversion_tails_round_as
 // layer's y on the widened input rounded once, and its statistics, bit for
 // bit; so must 3 threads and an in-place call. 1500x64 and 300x1100 take
 // several blocks (asserted; with AVX-512, 2 and 5), 16x768 one block of all
-// the rows (converted whole). Row 7 holds values near the largest bfloat16, whose squares
-// leave float (RMSNorm's exact path); for half, 6e4.
+// the rows (converted whole). Row 7 holds values of 1e38 in bfloat16, whose
+// rstd is not a normal float (RMSNorm's exact path); for half, 6e4. y is
+// rounded as the library rounds whole tensors (detail::convert_n).
 template <typename S, template <typename> class Layer, typename Options>
 void check_colmajor_blocks_equal_float_path() {
   constexpr int CM = Eigen::ColMajor;
@@ -489,7 +490,7 @@ void check_colmajor_blocks_equal_float_path() {
     SCOPED_TRACE(::testing::Message() << rows << "x" << n);
     const std::size_t N = static_cast<std::size_t>(rows * n);
     auto xs = to16<S>(randn<float>(N, 51, 0.5, 2.0));
-    for (Index j = 0; j < n; ++j) xs[static_cast<std::size_t>(j * rows + 7)] = static_cast<S>(std::is_same<S, Eigen::half>::value ? 6e4f : 3e37f);
+    for (Index j = 0; j < n; ++j) xs[static_cast<std::size_t>(j * rows + 7)] = static_cast<S>(std::is_same<S, Eigen::half>::value ? 6e4f : 1e38f);
     const auto xw = to32(xs);
     Eigen::TensorMap<const Eigen::Tensor<S, 2, CM>> x(xs.data(), rows, n);
     Eigen::TensorMap<const Eigen::Tensor<float, 2, CM>> xf(xw.data(), rows, n);
@@ -510,8 +511,10 @@ void check_colmajor_blocks_equal_float_path() {
     l16.forward(dev, x, yt, st);
     std::copy(xs.begin(), xs.end(), io.data());
     l16.forward(io, io);
+    std::vector<S> rounded(N);
+    normcore::detail::convert_n(y32.data(), rounded.data(), rows * n);
     for (std::size_t i = 0; i < N; ++i) {
-      const float want = static_cast<float>(static_cast<S>(y32.data()[i]));
+      const float want = static_cast<float>(rounded[i]);
       ASSERT_EQ(static_cast<float>(y16.data()[i]), want) << i;
       ASSERT_EQ(static_cast<float>(yt.data()[i]), want) << i;
       ASSERT_EQ(static_cast<float>(io.data()[i]), want) << i;
@@ -538,10 +541,12 @@ TEST(Mixed, ColMajorBFloat16RMSNormBlocksEqualTheFloatPath) {
 // groups' alignment, so its dx, dweight and dbias must be the float layer's
 // on the widened x, dy and dh_next, rounded once, bit for bit: with saved
 // and recomputed statistics, the fused residual, dx over dy, and 3 threads.
-// Rows 7 and 1000 of bfloat16 inputs take RMSNorm's exact path, whose
-// dweight terms come after all of its part's blocks, as in the float path
-// (at 3000x64 row 1000's group of rows spans two blocks with AVX-512 and
-// AVX2 alike; rounded to 16 bits, terms in another order rarely show).
+// A float layer fed the 16-bit tensors (the same path) must give the float
+// layer's dweight and dbias themselves, bit for bit. Rows 7, 1000 and 2000
+// of bfloat16 inputs (1e38) take RMSNorm's exact path (at 3000x64 row 2000
+// in a block after the first, row 1000 in a row group that spans two
+// blocks, with AVX-512 and AVX2 alike), whose dweight terms come after all
+// of its part's blocks, as in the float path.
 template <typename S, typename D, typename X, typename DY, typename DX, typename W>
 void backward_of(const normcore::LayerNorm<S>& l, const D& dev, const X& x, const DY& dy, const DY* dh, DX* dx, W* dw,
                  W* db, const normcore::NormStats<float>* st) {
@@ -568,8 +573,8 @@ void check_colmajor_backward_blocks_equal_float_path() {
     const std::size_t N = static_cast<std::size_t>(rows * n);
     auto xs = to16<S>(randn<float>(N, 61, 0.5, 2.0));
     if (std::is_same<S, Eigen::bfloat16>::value)
-      for (Index r : {Index(7), Index(1000)})
-        for (Index j = 0; r < rows && j < n; ++j) xs[static_cast<std::size_t>(j * rows + r)] = static_cast<S>(3e37f);
+      for (Index r : {Index(7), Index(1000), Index(2000)})
+        for (Index j = 0; r < rows && j < n; ++j) xs[static_cast<std::size_t>(j * rows + r)] = static_cast<S>(1e38f);
     const auto dys = to16<S>(randn<float>(N, 62));
     const auto dhs = to16<S>(randn<float>(N, 63));
     const auto xw = to32(xs), dyw = to32(dys), dhw = to32(dhs);
@@ -604,12 +609,17 @@ void check_colmajor_backward_blocks_equal_float_path() {
             Eigen::Tensor<float, 1> dw32(n), db32(n);
             Eigen::TensorMap<const Eigen::Tensor<S, 2, CM>> gin(g.data(), rows, n);
             Eigen::Tensor<S, 2, CM>* out = over_dy ? &g : &dx16;
+            Eigen::Tensor<S, 2, CM> dxm(rows, n);
+            Eigen::Tensor<float, 1> dwm(n), dbm(n);
             if (threads == 3) {
               backward_of(l16, three, x, over_dy ? gin : dy, fused ? &dh : nullptr, out, &dw16, &db16,
                           saved ? &s16 : nullptr);
+              backward_of(l32, three, x, dy, fused ? &dh : nullptr, &dxm, &dwm, &dbm, saved ? &s16 : nullptr);
             } else {
               backward_of(l16, normcore::Serial(), x, over_dy ? gin : dy, fused ? &dh : nullptr, out, &dw16,
                           &db16, saved ? &s16 : nullptr);
+              backward_of(l32, normcore::Serial(), x, dy, fused ? &dh : nullptr, &dxm, &dwm, &dbm,
+                          saved ? &s16 : nullptr);
             }
             backward_of(l32, normcore::Serial(), xf, dyf, fused ? &dhf : nullptr, &dx32, &dw32, &db32,
                         saved ? &s32 : nullptr);
@@ -617,8 +627,12 @@ void check_colmajor_backward_blocks_equal_float_path() {
             // conversion takes subnormal floats, as row 7's dx, as zero).
             std::vector<S> want(N);
             normcore::detail::convert_n(dx32.data(), want.data(), rows * n);
-            for (std::size_t i = 0; i < N; ++i)
+            for (std::size_t i = 0; i < N; ++i) {
               ASSERT_EQ(static_cast<float>(out->data()[i]), static_cast<float>(want[i])) << i;
+              ASSERT_EQ(static_cast<float>(dxm.data()[i]), static_cast<float>(want[i])) << i;
+            }
+            EXPECT_TRUE(bit_equal(dwm.data(), dw32.data(), static_cast<std::size_t>(n)));
+            EXPECT_TRUE(bit_equal(dbm.data(), db32.data(), static_cast<std::size_t>(n)));
             for (Index j = 0; j < n; ++j) {
               ASSERT_EQ(static_cast<float>(dw16(j)), static_cast<float>(static_cast<S>(dw32(j)))) << j;
               ASSERT_EQ(static_cast<float>(db16(j)), static_cast<float>(static_cast<S>(db32(j)))) << j;

@@ -796,10 +796,6 @@ class RMSNorm {
       // 16-bit rows: each packet widened as it is loaded where the build
       // converts whole packets (detail::packet_io), x staged only to
       // recompute an rstd; else blocks of sb rows widened into float buffers.
-      const Index sb = wide ? detail::backward_stage_rows(n, kRowBlock) : 0;
-      std::vector<T> buf(static_cast<std::size_t>((staged ? 4 : wide ? 1 : 0) * sb * n));
-      std::vector<W> r;
-      GradAcc gacc(xv.row_major ? n : 0, dweight != nullptr);
       if (!xv.row_major) {
         const Index R0 = gsplit.begin(psplit.begin(p)), R1 = gsplit.begin(psplit.begin(p + 1));
         double* const dwp = dweight ? dw_part.data() : nullptr;
@@ -824,6 +820,10 @@ class RMSNorm {
         exact.add_dweight(dwp, gsplit, n);
         return;
       }
+      const Index sb = wide ? detail::backward_stage_rows(n, kRowBlock) : 0;
+      std::vector<T> buf(static_cast<std::size_t>((staged ? 4 : wide ? 1 : 0) * sb * n));
+      std::vector<W> r;
+      GradAcc gacc(n, dweight != nullptr);
       for (Index gi = psplit.begin(p); gi < psplit.begin(p + 1); ++gi) {
         const Index g0 = gsplit.begin(gi), g1 = gsplit.begin(gi + 1);
         double* dwp = dweight ? dw_part.data() + gi * n : nullptr;

@@ -1,7 +1,9 @@
 // normcore::detail: per-thread scratch memory for the temporaries of one
 // call (the backwards' per-group parameter sums and recomputed statistics;
 // the ColMajor forwards' per-row moments, coefficients and rstd, and the
-// lane statistics' chunk states), kept from one call to the next.
+// lane statistics' chunk states; the float blocks of 16-bit ColMajor rows,
+// and BatchNorm's whole float copies of 16-bit tensors when they fit),
+// kept from one call to the next.
 //
 // Why: those temporaries reach hundreds of KB (16 groups of n doubles for
 // each parameter gradient). glibc serves such a block from the top of its
