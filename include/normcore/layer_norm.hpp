@@ -813,10 +813,9 @@ class LayerNorm {
   // statistics and then its normalize while its x is in the cache.
   void forward_colmajor(const detail::Matrix2D<T>& xv, T* out, T* mean, T* rstd, Index r0,
                         Index r1, const T* g, const T* b, bool may_stream) const {
-    const Index seg = detail::colmajor_forward_segment<T>(xv.rows, xv.cols);
-    const Index step = seg ? seg : r1 - r0;
-    for (Index s0 = r0; s0 < r1; s0 += step)
-      forward_colmajor_rows(xv, out, mean, rstd, s0, std::min(r1, s0 + step), g, b, may_stream);
+    detail::for_colmajor_segments<T>(xv.rows, xv.cols, r0, r1, [&](Index s0, Index s1) {
+      forward_colmajor_rows(xv, out, mean, rstd, s0, s1, g, b, may_stream);
+    });
   }
   void forward_colmajor_rows(const detail::Matrix2D<T>& xv, T* out, T* mean, T* rstd, Index r0,
                              Index r1, const T* g, const T* b, bool may_stream) const {

@@ -477,10 +477,9 @@ class RMSNorm {
   // then its normalize while its x is in the cache. rsave (optional): rstd.
   void forward_colmajor(const detail::Matrix2D<T>& xv, T* out, T* rsave, Index r0, Index r1, const T* g,
                         bool may_stream) const {
-    const Index seg = detail::colmajor_forward_segment<T>(xv.rows, xv.cols);
-    const Index step = seg ? seg : r1 - r0;
-    for (Index s0 = r0; s0 < r1; s0 += step)
-      forward_colmajor_rows(xv, out, rsave, s0, std::min(r1, s0 + step), g, may_stream);
+    detail::for_colmajor_segments<T>(xv.rows, xv.cols, r0, r1, [&](Index s0, Index s1) {
+      forward_colmajor_rows(xv, out, rsave, s0, s1, g, may_stream);
+    });
   }
   void forward_colmajor_rows(const detail::Matrix2D<T>& xv, T* out, T* rsave, Index r0, Index r1, const T* g,
                              bool may_stream) const {
@@ -807,12 +806,8 @@ class RMSNorm {
           detail::colmajor_backward_in_compute_type<T>(
               xv.data, dyp, dx, dhp, rows, n, R0, R1, detail::colmajor_stage_rows<T>(n),
               [&](const T* bx, const T* bdy, T* bdx, const T* bdh, Index m, Index b) {
-                detail::Matrix2D<T> v;
-                v.data = const_cast<T*>(bx);
-                v.rows = m;
-                v.cols = n;
-                v.row_major = false;
-                backward_colmajor(v, b, bdy, bdx, bdh, gsplit, b, b + m, g, dwp, saved, exact);
+                backward_colmajor(detail::colmajor_view(bx, m, n), b, bdy, bdx, bdh, gsplit, b, b + m, g, dwp,
+                                  saved, exact);
               });
         } else {
           backward_colmajor(xv, 0, dyp, dx, dhp, gsplit, R0, R1, g, dwp, saved, exact);

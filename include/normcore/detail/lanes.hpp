@@ -190,6 +190,16 @@ Index colmajor_forward_segment(Index rows, Index n) {
   return colmajor_segment_rows<T>(block, n);
 }
 
+/// Runs fn(s0, s1) over the segments of rows [r0, r1) of a ColMajor
+/// forward of `rows` rows of n features (colmajor_forward_segment; one
+/// segment, the whole range, when it gives 0).
+template <typename T, typename Fn>
+void for_colmajor_segments(Index rows, Index n, Index r0, Index r1, Fn&& fn) {
+  const Index seg = colmajor_forward_segment<T>(rows, n);
+  const Index step = seg ? seg : r1 - r0;
+  for (Index s0 = r0; s0 < r1; s0 += step) fn(s0, std::min(r1, s0 + step));
+}
+
 /// Rows of a block of a 16-bit ColMajor forward, widened into float a
 /// block at a time (colmajor_in_compute_type): whole blocks of kLanePackets
 /// packets, about kSegmentBytes of float x (colmajor_segment_rows), so that

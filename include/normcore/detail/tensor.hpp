@@ -63,6 +63,17 @@ struct Matrix2D {
   bool row_major = true;
 };
 
+/// A ColMajor rows x cols view of p (element (r, j) at p[j * rows + r]).
+template <typename T>
+Matrix2D<T> colmajor_view(const T* p, Index rows, Index cols) {
+  Matrix2D<T> v;
+  v.data = const_cast<T*>(p);
+  v.rows = rows;
+  v.cols = cols;
+  v.row_major = false;
+  return v;
+}
+
 /// Checks that the scalar type of X is T, at compile time.
 template <typename T, typename X>
 constexpr void check_scalar() {
