@@ -691,7 +691,7 @@ std::string normcore_cache_info() {
   const int set = d::path_choices();
   return "L2 " + kib(d::l2_cache_bytes()) + ", L3 " + kib(d::l3_cache_bytes()) +
          " (sysconf); forward streaming stores from " + std::to_string(normcore::forward_stream_threshold() >> 20) +
-         " MiB; path choices: " + (set == 1 ? "Intel" : set == 2 ? "AMD Zen 5" : "other CPUs (Zen 4)");
+         " MiB; path choices: " + (set == 1 ? "Intel" : set == 2 ? "AMD Zen 5" : set == 3 ? "AMD Zen 3" : "other CPUs (Zen 4)");
 }
 
 void add_normcore_impls(std::vector<Impl>& out) {

@@ -498,7 +498,7 @@ TYPED_TEST(LayerNormTest, InPlaceForwardMatchesOutOfPlaceBitForBit) {
 // Intel path choices, a sixteenth of the L3 the OS reports when that is
 // more); a set value holds until a negative one restores the default.
 TEST(ForwardStreamThreshold, SetAndRestore) {
-  for (int choices : {0, 2}) {
+  for (int choices : {0, 2, 3}) {
     const nctest::IntelTuning tuning(choices);
     EXPECT_EQ(normcore::forward_stream_threshold(), normcore::detail::kStreamingBytes) << choices;
   }
@@ -611,7 +611,7 @@ void check_large_input_forward_same_bits_as_small_calls() {
 }
 
 TYPED_TEST(LayerNormTest, LargeInputForwardSameBitsAsSmallCalls) {
-  for (int tuning : {0, 1, 2}) {
+  for (int tuning : {0, 1, 2, 3}) {
     const nctest::IntelTuning paths(tuning);
     SCOPED_TRACE(::testing::Message() << "Intel tuning " << tuning);
     check_large_input_forward_same_bits_as_small_calls<TypeParam>();

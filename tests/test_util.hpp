@@ -222,7 +222,8 @@ class StreamThreshold {
 };
 
 /// Sets normcore::detail::intel_tuning_setting (0: the other CPUs' path
-/// choices, 1: the Intel ones, 2: the AMD Zen 5 ones) for its lifetime,
+/// choices, 1: the Intel ones, 2: the AMD Zen 5 ones, 3: the AMD Zen 3
+/// ones) for its lifetime,
 /// then restores it, so that a test checks each set of paths whatever the
 /// machine.
 class IntelTuning {

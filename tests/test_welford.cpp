@@ -350,39 +350,44 @@ TEST(Scratch, ArenaStackHeapFallbackAndGrowth) {
 }
 
 // The CPU checks behind the path choices, against the kernel's own account
-// (/proc/cpuinfo: vendor_id and cpu family of the first processor), and the
-// settings that override them. Skipped off x86 Linux.
+// (/proc/cpuinfo: vendor_id, cpu family and model of the first processor),
+// and the settings that override them. Skipped off x86 Linux.
 TEST(PathChoices, CpuChecksMatchProcCpuinfoAndSettingsOverrideThem) {
   namespace d = normcore::detail;
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
   std::ifstream info("/proc/cpuinfo");
   std::string line, vendor;
-  long family = -1;
-  while (std::getline(info, line) && (vendor.empty() || family < 0)) {
+  long family = -1, model = -1;
+  while (std::getline(info, line) && (vendor.empty() || family < 0 || model < 0)) {
     const auto colon = line.find(':');
     if (colon == std::string::npos || colon + 2 > line.size()) continue;
     const std::string value = line.substr(colon + 2);
     if (vendor.empty() && line.rfind("vendor_id", 0) == 0) vendor = value;
     if (family < 0 && line.rfind("cpu family", 0) == 0) family = std::stol(value);
+    if (model < 0 && line.rfind("model\t", 0) == 0) model = std::stol(value);
   }
-  if (vendor.empty() || family < 0) GTEST_SKIP() << "no vendor_id and cpu family in /proc/cpuinfo";
-  SCOPED_TRACE(::testing::Message() << vendor << ", family " << family);
+  if (vendor.empty() || family < 0 || model < 0) GTEST_SKIP() << "no vendor_id, cpu family and model in /proc/cpuinfo";
+  SCOPED_TRACE(::testing::Message() << vendor << ", family " << family << ", model " << model);
+  const bool amd = vendor == "AuthenticAMD";
   EXPECT_EQ(d::intel_cpu(), vendor == "GenuineIntel");
-  EXPECT_EQ(d::amd_zen5_cpu(), vendor == "AuthenticAMD" && family >= 0x1A);
+  EXPECT_EQ(d::amd_zen5_cpu(), amd && family >= 0x1A);
+  EXPECT_EQ(d::amd_zen3_cpu(), amd && family == 0x19 && (model <= 0x0F || (model >= 0x20 && model <= 0x5F)));
   {
     const IntelTuning cpu(-1);
-    EXPECT_EQ(d::path_choices(), d::intel_cpu() ? 1 : d::amd_zen5_cpu() ? 2 : 0);
+    EXPECT_EQ(d::path_choices(), d::intel_cpu() ? 1 : d::amd_zen5_cpu() ? 2 : d::amd_zen3_cpu() ? 3 : 0);
     EXPECT_EQ(d::intel_tuned(), d::intel_cpu());
     EXPECT_EQ(d::zen5_tuned(), d::amd_zen5_cpu());
+    EXPECT_EQ(d::zen3_tuned(), d::amd_zen3_cpu());
     EXPECT_EQ(d::dx_streams_tuned(), d::intel_cpu() || d::amd_zen5_cpu());
   }
 #endif
-  for (int v : {0, 1, 2}) {
+  for (int v : {0, 1, 2, 3}) {
     const IntelTuning forced(v);
     EXPECT_EQ(d::path_choices(), v);
     EXPECT_EQ(d::intel_tuned(), v == 1);
     EXPECT_EQ(d::zen5_tuned(), v == 2);
-    EXPECT_EQ(d::dx_streams_tuned(), v != 0);
+    EXPECT_EQ(d::zen3_tuned(), v == 3);
+    EXPECT_EQ(d::dx_streams_tuned(), v == 1 || v == 2);
   }
 }
 

@@ -384,8 +384,8 @@ class LayerNorm {
   // each row of the next group of short rows is requested as a row of this
   // one is normalized (detail::forward_group, detail::rows_ahead), rows of
   // 4-8 KB request the next row as they are normalized
-  // (detail::forward_requests; with weight and bias, on Intel CPUs rows of
-  // any length, on AMD Zen 5 up to 16 KB and into the L1:
+  // (detail::forward_requests; with weight and bias, on Intel CPUs and AMD
+  // Zen 3 rows of any length, on AMD Zen 5 up to 16 KB and into the L1:
   // request_max_row_bytes), rows of up to 4 KB (and longer ones without
   // bias) take the next row's moments as they are normalized
   // (forward_long_rows, interleave_long_rows), and the output takes
@@ -448,10 +448,20 @@ class LayerNorm {
   // the Zen 4 choice; into the L2 instead, rows over 8 KB took 1.00-1.14x,
   // as on Zen 4.
   static constexpr Index kZen5RequestMaxRowBytes = 16384;
+  // On AMD Zen 3 (detail::zen3_tuned) rows with gamma and beta are
+  // requested whatever their length, into the L2, as on Intel CPUs.
+  // Measured on a Zen 3 guest (AVX2, 32 KB of L1d, float, the sets of
+  // choices alternating in one process, 15 shuffled rounds, the same bits),
+  // against the Zen 4 choices: 0.79x the time at 8192x3072, 0.85x at
+  // 4096x4096, 0.88x at 16384x4096, 0.86x at 8192x8192, 0.90x at 2048x8192,
+  // 0.88x at 1024x16384; 1.02x at 4096x2048 (requested either way). The
+  // Zen 5 choices there: 0.80x, 0.86x, 0.87x at rows of 3072 and 4096
+  // floats, 1.00x on longer rows; the Intel set's other choices lost on
+  // Zen 3 (LayerNorm backward at 512x768: 1.21x, its streaming dx).
   static Index request_max_row_bytes(const T* g, const T* b) {
     if (!g || !b) return kRequestMaxRowBytes;
     const int set = detail::path_choices();
-    if (set == 1) return std::numeric_limits<Index>::max();
+    if (set == 1 || set == 3) return std::numeric_limits<Index>::max();
     return set == 2 ? kZen5RequestMaxRowBytes : kRequestMaxRowBytes;
   }
   void forward_rows(const T* x, T* out, Index n, Index count, T* mean, T* rstd, const T* g,

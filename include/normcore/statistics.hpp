@@ -764,21 +764,43 @@ inline bool amd_zen5_cpu() {
 #endif
 }
 
+/// Whether the CPU is AMD's Zen 3 (family 0x19, models 0x00-0x0F and
+/// 0x20-0x5F; Zen 4 is family 0x19 too, models 0x10-0x1F, 0x60-0x7F and
+/// 0xA0-0xAF; x86 builds by GCC or Clang; read once). Its path choices
+/// (zen3_tuned): Zen 4's, with LayerNorm forward's long rows requested as
+/// on Intel CPUs (LayerNorm::request_max_row_bytes).
+inline bool amd_zen3_cpu() {
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__)) && !defined(_MSC_VER)
+  static const bool zen3 = [] {
+    __builtin_cpu_init();
+    if (__builtin_cpu_is("amd") == 0) return false;
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (__get_cpuid(1, &a, &b, &c, &d) == 0) return false;
+    const unsigned base = (a >> 8) & 0xFu, extended = (a >> 20) & 0xFFu;
+    const unsigned model = ((a >> 4) & 0xFu) | (((a >> 16) & 0xFu) << 4);
+    return base == 0xFu && base + extended == 0x19u && (model <= 0x0Fu || (model >= 0x20u && model <= 0x5Fu));
+  }();
+  return zen3;
+#else
+  return false;
+#endif
+}
+
 /// The setting behind path_choices: -1 (the default) follows the CPU
-/// (intel_cpu, amd_zen5_cpu), 0 takes the other CPUs' path choices
-/// (measured on Zen 4), 1 the Intel ones, 2 the AMD Zen 5 ones. For the
-/// tests, which check every set of paths on any machine: a choice of
-/// paths, never of output bits.
+/// (intel_cpu, amd_zen5_cpu, amd_zen3_cpu), 0 takes the other CPUs' path
+/// choices (measured on Zen 4), 1 the Intel ones, 2 the AMD Zen 5 ones, 3
+/// the AMD Zen 3 ones. For the tests, which check every set of paths on any
+/// machine: a choice of paths, never of output bits.
 inline std::atomic<int>& intel_tuning_setting() {
   static std::atomic<int> v{-1};
   return v;
 }
 
-/// The set of path choices that applies: 0 (other CPUs), 1 (Intel) or 2
-/// (AMD Zen 5), by intel_tuning_setting.
+/// The set of path choices that applies: 0 (other CPUs), 1 (Intel), 2
+/// (AMD Zen 5) or 3 (AMD Zen 3), by intel_tuning_setting.
 inline int path_choices() {
   const int v = intel_tuning_setting().load(std::memory_order_relaxed);
-  return v >= 0 ? v : intel_cpu() ? 1 : amd_zen5_cpu() ? 2 : 0;
+  return v >= 0 ? v : intel_cpu() ? 1 : amd_zen5_cpu() ? 2 : amd_zen3_cpu() ? 3 : 0;
 }
 
 /// Whether the path choices tuned on Intel CPUs apply (path_choices).
@@ -786,6 +808,9 @@ inline bool intel_tuned() { return path_choices() == 1; }
 
 /// Whether the path choices tuned on AMD Zen 5 apply (path_choices).
 inline bool zen5_tuned() { return path_choices() == 2; }
+
+/// Whether the path choices tuned on AMD Zen 3 apply (path_choices).
+inline bool zen3_tuned() { return path_choices() == 3; }
 
 /// Whether the backwards' streaming dx choices of the Intel set apply: the
 /// row-wise backwards' dx on inputs that overflow the L2
@@ -803,7 +828,7 @@ inline bool zen5_tuned() { return path_choices() == 2; }
 /// of 2048-8192 floats, BatchNorm's fused training forward 1.10-1.16x at
 /// 32x64x56x56.) On Zen 4 the channels-last dx lost (1.10-1.14x), and the
 /// L2 one was not measured.
-inline bool dx_streams_tuned() { return path_choices() != 0; }
+inline bool dx_streams_tuned() { return intel_tuned() || zen5_tuned(); }
 
 /// Rows shorter than this many bytes keep ordinary dx stores under the
 /// streaming_backward gate (l2_backward_streams).
