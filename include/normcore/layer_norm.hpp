@@ -451,13 +451,14 @@ class LayerNorm {
   // On AMD Zen 3 (detail::zen3_tuned) rows with gamma and beta are
   // requested whatever their length, into the L2, as on Intel CPUs.
   // Measured on a Zen 3 guest (AVX2, 32 KB of L1d, float, the sets of
-  // choices alternating in one process, 15 shuffled rounds, the same bits),
-  // against the Zen 4 choices: 0.79x the time at 8192x3072, 0.85x at
-  // 4096x4096, 0.88x at 16384x4096, 0.86x at 8192x8192, 0.90x at 2048x8192,
-  // 0.88x at 1024x16384; 1.02x at 4096x2048 (requested either way). The
-  // Zen 5 choices there: 0.80x, 0.86x, 0.87x at rows of 3072 and 4096
-  // floats, 1.00x on longer rows; the Intel set's other choices lost on
-  // Zen 3 (LayerNorm backward at 512x768: 1.21x, its streaming dx).
+  // choices alternating in one process, 11 and 15 shuffled rounds, the same
+  // bits), against the Zen 4 choices: 0.81-0.83x the time at 8192x3072,
+  // 0.82-0.88x at 2048x8192, 0.89x at 1024x16384, 0.90-0.93x at 4096x4096,
+  // 0.91-0.93x at 16384x4096, 0.94x at 8192x8192; 2 threads 0.83-0.95x;
+  // 0.96-1.05x on rows it leaves alone (4096x2048, 4096x1024). The Zen 5
+  // choices (into the L1, up to 16 KB) did as well on rows of 3072 and 4096
+  // floats, 0.97-1.00x on longer ones; the Intel set's other choices lost
+  // on Zen 3 (LayerNorm backward at 512x768: 1.21x, its streaming dx).
   static Index request_max_row_bytes(const T* g, const T* b) {
     if (!g || !b) return kRequestMaxRowBytes;
     const int set = detail::path_choices();

@@ -744,46 +744,46 @@ inline bool intel_cpu() {
 #endif
 }
 
-/// Whether the CPU is AMD's of family 0x1A or later (Zen 5 on; x86 builds
-/// by GCC or Clang; read once). Its path choices (zen5_tuned): Zen 4's,
-/// with two of the Intel CPUs' (dx_streams_tuned) and LayerNorm forward's
-/// requests into the L1 (LayerNorm::request_max_row_bytes).
-inline bool amd_zen5_cpu() {
+/// An AMD CPU's family and model (CPUID leaf 1, with the extended fields
+/// where the base family is 0xF); both 0 for any other CPU or build (x86
+/// builds by GCC or Clang; read once).
+struct AmdCpu {
+  unsigned family = 0;
+  unsigned model = 0;
+};
+inline AmdCpu amd_cpu() {
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__)) && !defined(_MSC_VER)
-  static const bool zen5 = [] {
+  static const AmdCpu cpu = [] {
+    AmdCpu id;
     __builtin_cpu_init();
-    if (__builtin_cpu_is("amd") == 0) return false;
+    if (__builtin_cpu_is("amd") == 0) return id;
     unsigned a = 0, b = 0, c = 0, d = 0;
-    if (__get_cpuid(1, &a, &b, &c, &d) == 0) return false;
-    const unsigned base = (a >> 8) & 0xFu, extended = (a >> 20) & 0xFFu;
-    return (base == 0xFu ? base + extended : base) >= 0x1Au;
+    if (__get_cpuid(1, &a, &b, &c, &d) == 0) return id;
+    const unsigned base = (a >> 8) & 0xFu;
+    id.family = base == 0xFu ? base + ((a >> 20) & 0xFFu) : base;
+    id.model = ((a >> 4) & 0xFu) | (base == 0xFu ? ((a >> 16) & 0xFu) << 4 : 0u);
+    return id;
   }();
-  return zen5;
+  return cpu;
 #else
-  return false;
+  return AmdCpu();
 #endif
 }
 
+/// Whether the CPU is AMD's of family 0x1A or later (Zen 5 on; amd_cpu).
+/// Its path choices (zen5_tuned): Zen 4's, with two of the Intel CPUs'
+/// (dx_streams_tuned) and LayerNorm forward's requests into the L1
+/// (LayerNorm::request_max_row_bytes).
+inline bool amd_zen5_cpu() { return amd_cpu().family >= 0x1Au; }
+
 /// Whether the CPU is AMD's Zen 3 (family 0x19, models 0x00-0x0F and
 /// 0x20-0x5F; Zen 4 is family 0x19 too, models 0x10-0x1F, 0x60-0x7F and
-/// 0xA0-0xAF; x86 builds by GCC or Clang; read once). Its path choices
-/// (zen3_tuned): Zen 4's, with LayerNorm forward's long rows requested as
-/// on Intel CPUs (LayerNorm::request_max_row_bytes).
+/// 0xA0-0xAF; amd_cpu). Its path choices (zen3_tuned): Zen 4's, with
+/// LayerNorm forward's long rows requested as on Intel CPUs
+/// (LayerNorm::request_max_row_bytes).
 inline bool amd_zen3_cpu() {
-#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__)) && !defined(_MSC_VER)
-  static const bool zen3 = [] {
-    __builtin_cpu_init();
-    if (__builtin_cpu_is("amd") == 0) return false;
-    unsigned a = 0, b = 0, c = 0, d = 0;
-    if (__get_cpuid(1, &a, &b, &c, &d) == 0) return false;
-    const unsigned base = (a >> 8) & 0xFu, extended = (a >> 20) & 0xFFu;
-    const unsigned model = ((a >> 4) & 0xFu) | (((a >> 16) & 0xFu) << 4);
-    return base == 0xFu && base + extended == 0x19u && (model <= 0x0Fu || (model >= 0x20u && model <= 0x5Fu));
-  }();
-  return zen3;
-#else
-  return false;
-#endif
+  const AmdCpu cpu = amd_cpu();
+  return cpu.family == 0x19u && (cpu.model <= 0x0Fu || (cpu.model >= 0x20u && cpu.model <= 0x5Fu));
 }
 
 /// The setting behind path_choices: -1 (the default) follows the CPU
