@@ -185,8 +185,8 @@ TYPED_TEST(BatchNormTest, LargeBackwardStreamingSameBitsAsOrdinaryStores) {
 
 // The channels-last backward on an input of at least half of
 // normcore::detail::kStreamingBytes (x; x and dy together at least the whole
-// of it) writes dx with streaming stores in builds without AVX-512 and, with
-// AVX-512, on Intel CPUs, when dx is aligned and its rows are whole packets:
+// of it) writes dx with streaming stores, when dx is aligned and its rows
+// are whole packets:
 // the same bits as into a dx one element off alignment (ordinary stores).
 // (N, C) and (N, H, W, C) inputs.
 template <typename T>
@@ -222,11 +222,10 @@ void check_large_channels_last_backward_streaming() {
   }
 }
 
-// With both sets of path choices (with AVX-512, dx streams with the Intel
-// ones only, which AMD Zen 5 takes for this: BatchNorm's
-// dx_streams_channels_last, detail::dx_streams_tuned).
+// Under every set of path choices (BatchNorm's dx_streams_channels_last
+// follows none of them since session 53; the sets still choose other paths).
 TYPED_TEST(BatchNormTest, LargeChannelsLastBackwardStreamingSameBitsAsOrdinaryStores) {
-  for (int tuning : {0, 1}) {
+  for (int tuning : {0, 1, 2, 3}) {
     const nctest::IntelTuning paths(tuning);
     SCOPED_TRACE(::testing::Message() << "Intel tuning " << tuning);
     check_large_channels_last_backward_streaming<TypeParam>();

@@ -1209,30 +1209,32 @@ class BatchNorm {
   // stands in for the machine, the only hint a header has.
   static constexpr int kSumRows = 4;
   // Whether the channels-last dx pass takes streaming stores (with the
-  // conditions on dx in backward_impl): builds without AVX-512, on the
-  // row-wise backwards' gate (x of at least kStreamingBytes / 2,
-  // detail::streaming_backward). Measured on Zen 3 (AVX2, float, 1 thread,
-  // the whole backward, two builds of one driver alternating, 7 rounds):
-  // 0.80x the time at (N,C) 4096x512, 0.82-0.87x at 3136x512, 50176x256
-  // and 100352x64, 0.85x at 2560x512 (5 MB); 0.90x at 2048x512 (4 MB) and
-  // 1.05x at 1024x512 (2 MB), which the caches hold between calls. On Zen 4
-  // (AVX-512) an earlier round measured 1.10-1.14x at 32x64x56x56 and
-  // 256x256x14x14 channels-last, hence no streaming there: as for
-  // sum_rows_cached, the instruction set stands in for the machine. On an
-  // Intel Xeon (AVX-512, float, 1 thread, two builds of one driver
-  // alternating) streaming stores took 0.81x the time at 256x256x14x14 and
-  // 0.89x at 32x64x56x56 (1.00x at 3136x512 and (N,C) 4096x512), so
-  // AVX-512 builds on Intel CPUs take the row-wise gate too, and so do
-  // those on AMD Zen 5 (detail::dx_streams_tuned: 0.85x the time at (N,C)
-  // 4096x512, 0.88-0.97x channels-last at 32x64x56x56, 256x256x14x14 and
-  // 64x512x7x7).
-  static bool dx_streams_channels_last(Index rows, Index C) {
-#if defined(EIGEN_VECTORIZE_AVX512)
-    return detail::dx_streams_tuned() && detail::streaming_backward<T, T>(rows, C);
-#else
-    return detail::streaming_backward<T, T>(rows, C);
-#endif
-  }
+  // conditions on dx in backward_impl): on the row-wise backwards' gate (x
+  // of at least kStreamingBytes / 2, detail::streaming_backward), on every
+  // CPU. Streaming stores, against ordinary ones, the whole backward, float,
+  // 1 thread, the same bits: on Zen 3 (AVX2, two builds of one driver
+  // alternating, 7 rounds) 0.80x the time at (N,C) 4096x512, 0.82-0.87x at
+  // 3136x512, 50176x256 and 100352x64, 0.85x at 2560x512 (5 MB), 0.90x at
+  // 2048x512 (4 MB) and 1.05x at 1024x512 (2 MB), which the caches hold
+  // between calls; on an Intel Xeon (AVX-512, two builds) 0.81x at
+  // 256x256x14x14 channels-last and 0.89x at 32x64x56x56 (1.00x at
+  // 3136x512 and (N,C) 4096x512); on AMD Zen 5 0.85x at (N,C) 4096x512 and
+  // 0.88-0.97x channels-last at 32x64x56x56, 256x256x14x14 and 64x512x7x7
+  // (2 threads 0.86-0.96x);
+  // on Zen 4 (both choices alternating in one process, 9 shuffled rounds,
+  // session 53) 0.77-0.81x at (N,C) 4096x512, 0.79x at 64x512x7x7,
+  // 0.93x at 256x256x14x14, 0.97x at 32x64x56x56, 0.76x at 16x512x14x14,
+  // 0.82-0.83x at 1600x1024 and 12544x128, 0.89x at 100352x64; 2 threads
+  // 0.78x, 0.84x, 0.88x, 0.87x and 0.84x at the first five. (An earlier
+  // round's 1.10-1.14x at 32x64x56x56 and 256x256x14x14 on Zen 4, with
+  // the backward's code of then, had kept AVX-512 builds off it but on
+  // Intel CPUs and Zen 5.)
+  static bool dx_streams_channels_last(Index rows, Index C) { return detail::streaming_backward<T, T>(rows, C); }
+  // Whether the four-row sums apply (chunk_sums, kSumRows). With streaming
+  // dx on Zen 4, one row at a time on inputs of kStreamingBytes / 2 to
+  // kStreamingBytes (the gate of builds without AVX-512) took 1.14-1.31x the
+  // time at 64x512x7x7, 16x512x14x14, 1600x1024 and 12544x128, 1.01x at
+  // (N,C) 4096x512.
   static bool sum_rows_cached(Index rows, Index C) {
 #if defined(EIGEN_VECTORIZE_AVX512)
     return !detail::streaming_input<T, T>(rows, C);
@@ -1416,7 +1418,7 @@ class BatchNorm {
     // Streaming stores for dx when dx is apart from x and dy, aligned, and
     // its segments (channels-first) or rows (channels-last) are whole
     // packets: channels-first on inputs of detail::kStreamingBytes or more,
-    // channels-last without AVX-512, or with it on Intel CPUs
+    // channels-last on the row-wise backwards' gate
     // (dx_streams_channels_last).
     const Index total = v.outer * C * v.inner;
     const bool stream = dx &&

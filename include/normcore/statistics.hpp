@@ -727,8 +727,7 @@ constexpr Index kRequestRowBytes = 4096;
 /// measured 1.12-1.21x the time on Zen 4 and 0.73-0.77x on an Intel Xeon),
 /// LayerNorm's streaming path on smaller inputs (intel_streaming),
 /// BatchNorm's fused channels-first groups (fused_channel_group), and,
-/// through dx_streams_tuned (which AMD Zen 5 takes too), BatchNorm's
-/// channels-last streaming dx (dx_streams_channels_last) and the row-wise
+/// through dx_streams_tuned (which AMD Zen 5 takes too), the row-wise
 /// backwards' streaming dx on inputs that overflow the L2
 /// (l2_backward_streams).
 inline bool intel_cpu() {
@@ -812,22 +811,21 @@ inline bool zen5_tuned() { return path_choices() == 2; }
 /// Whether the path choices tuned on AMD Zen 3 apply (path_choices).
 inline bool zen3_tuned() { return path_choices() == 3; }
 
-/// Whether the backwards' streaming dx choices of the Intel set apply: the
-/// row-wise backwards' dx on inputs that overflow the L2
-/// (l2_backward_streams) and BatchNorm's channels-last dx
-/// (dx_streams_channels_last): with the Intel and the Zen 5 path choices
-/// (path_choices). Measured on an AMD Zen 5 guest (1 MB of L2, AVX-512,
-/// float, both settings alternating in one process, the same bits),
-/// against ordinary stores: LayerNorm backward 0.88-0.95x the time with x
-/// at 0.5-4 MB (170x768 to 1024x1024, 1024x256), RMSNorm 0.88-0.98x,
+/// Whether the row-wise backwards' streaming dx on inputs that overflow the
+/// L2 (l2_backward_streams) applies: with the Intel and the Zen 5 path
+/// choices (path_choices). Measured on an AMD Zen 5 guest (1 MB of L2,
+/// AVX-512, float, both settings alternating in one process, the same
+/// bits), against ordinary stores: LayerNorm backward 0.88-0.95x the time
+/// with x at 0.5-4 MB (170x768 to 1024x1024, 1024x256), RMSNorm 0.88-0.98x,
 /// 2048x768 (x of 6 MiB, which streams anyway: streaming_backward) 1.00x;
-/// on 2 threads 0.84-0.94x and 0.76-0.93x. BatchNorm backward
-/// channels-last 0.85x at (N,C) 4096x512, 0.88-0.97x at 32x64x56x56,
-/// 256x256x14x14 and 64x512x7x7 (2 threads 0.86-0.96x). (The Intel set's
-/// other choices lost there: LayerNorm forward 1.01-1.14x the time on rows
-/// of 2048-8192 floats, BatchNorm's fused training forward 1.10-1.16x at
-/// 32x64x56x56.) On Zen 4 the channels-last dx lost (1.10-1.14x), and the
-/// L2 one was not measured.
+/// on 2 threads 0.84-0.94x and 0.76-0.93x. (The Intel set's other choices
+/// lost there: LayerNorm forward 1.01-1.14x the time on rows of 2048-8192
+/// floats, BatchNorm's fused training forward 1.10-1.16x at 32x64x56x56.)
+/// On Zen 4 (session 53, each set against the other CPUs', 9 shuffled
+/// rounds in one process) RMSNorm's backward at 512x768 took 1.24x the time
+/// under the Intel set and under the Zen 5 set. BatchNorm's channels-last dx streams on every CPU
+/// (BatchNorm::dx_streams_channels_last), which until session 53 took this
+/// setting too.
 inline bool dx_streams_tuned() { return intel_tuned() || zen5_tuned(); }
 
 /// Rows shorter than this many bytes keep ordinary dx stores under the
