@@ -543,6 +543,39 @@ TEST(ForwardStreamThreshold, SetAndRestore) {
 // only and neither (affine 2, 1, 0; 500, 3000 and 3001 for double rows; odd
 // lengths for a tail on every ISA), and with a row whose squares overflow T
 // (row 3, scaled as in ExtremeRowLeavesItsGroupsBitsAlone: the exact path).
+// Random weight (affine 1 or 2) and bias (affine 2) for a LayerNorm over
+// rows of n, from seeds `seed` and `seed + 1`.
+template <typename T>
+void set_random_affine(LayerNorm<T>& ln, Index n, int affine, unsigned seed) {
+  if (affine > 0) {
+    const auto gv = randn<T>(static_cast<std::size_t>(n), seed, 1.0, 0.5);
+    std::copy(gv.begin(), gv.end(), ln.weight().data());
+  }
+  if (affine > 1) {
+    const auto bv = randn<T>(static_cast<std::size_t>(n), seed + 1, 0.0, 0.5);
+    std::copy(bv.begin(), bv.end(), ln.bias().data());
+  }
+}
+
+// Calls of `chunk` rows over the rows x n values at `data` give, bit for
+// bit, the y, mean and rstd of one call over them all (y, st).
+template <typename T>
+void check_chunks_same_bits(const LayerNorm<T>& ln, const T* data, Index rows, Index n, Index chunk,
+                            const Eigen::Tensor<T, 2, Eigen::RowMajor>& y, const NormStats<T>& st) {
+  const auto row_bytes = static_cast<std::size_t>(n) * sizeof(T);
+  for (Index r0 = 0; r0 < rows; r0 += chunk) {
+    const Index m = std::min(chunk, rows - r0);
+    Eigen::TensorMap<const Eigen::Tensor<T, 2, Eigen::RowMajor>> xs(data + r0 * n, m, n);
+    Eigen::Tensor<T, 2, Eigen::RowMajor> ys(m, n);
+    NormStats<T> ss;
+    ln.forward(xs, ys, ss);
+    ASSERT_EQ(std::memcmp(ys.data(), y.data() + r0 * n, static_cast<std::size_t>(m) * row_bytes), 0)
+        << "rows " << r0 << ".." << r0 + m;
+    ASSERT_EQ(std::memcmp(ss.mean.data(), st.mean.data() + r0, static_cast<std::size_t>(m) * sizeof(T)), 0);
+    ASSERT_EQ(std::memcmp(ss.rstd.data(), st.rstd.data() + r0, static_cast<std::size_t>(m) * sizeof(T)), 0);
+  }
+}
+
 template <typename T>
 void check_large_input_forward_same_bits_as_small_calls() {
   // Streaming stores from the streaming gate on (the default threshold may
@@ -563,14 +596,7 @@ void check_large_input_forward_same_bits_as_small_calls() {
     const Index row_bytes = n * static_cast<Index>(sizeof(T));
     const Index rows = normcore::detail::kStreamingBytes / row_bytes + 5;  // a partial last group
     LayerNorm<T> ln(LayerNormOptions({n}).elementwise_affine(c.affine > 0).bias(c.affine > 1));
-    if (c.affine > 0) {
-      const auto gv = randn<T>(static_cast<std::size_t>(n), 7, 1.0, 0.5);
-      std::copy(gv.begin(), gv.end(), ln.weight().data());
-    }
-    if (c.affine > 1) {
-      const auto bv = randn<T>(static_cast<std::size_t>(n), 8, 0.0, 0.5);
-      std::copy(bv.begin(), bv.end(), ln.bias().data());
-    }
+    set_random_affine(ln, n, c.affine, 7);
     auto buf = randn<T>(static_cast<std::size_t>(rows * n), 21, 0.5, 2.0);
     const T huge = std::is_same<T, float>::value ? T(1e25) : T(1e200);
     for (Index j = 0; j < n; ++j) buf[static_cast<std::size_t>(3 * n + j)] *= huge;
@@ -581,17 +607,8 @@ void check_large_input_forward_same_bits_as_small_calls() {
     ASSERT_TRUE(nctest::same_bits_with_ordinary_stores(ln, x, y));
     const Index chunk = normcore::detail::kStreamingBytes / (4 * row_bytes);  // far below the threshold
     ASSERT_LT(chunk * row_bytes, normcore::detail::kStreamingBytes);
-    for (Index r0 = 0; r0 < rows; r0 += chunk) {
-      const Index m = std::min(chunk, rows - r0);
-      Eigen::TensorMap<const Eigen::Tensor<T, 2, Eigen::RowMajor>> xs(buf.data() + r0 * n, m, n);
-      Eigen::Tensor<T, 2, Eigen::RowMajor> ys(m, n);
-      NormStats<T> ss;
-      ln.forward(xs, ys, ss);
-      ASSERT_EQ(std::memcmp(ys.data(), y.data() + r0 * n, static_cast<std::size_t>(m * row_bytes)), 0)
-          << "rows " << r0 << ".." << r0 + m;
-      ASSERT_EQ(std::memcmp(ss.mean.data(), st.mean.data() + r0, static_cast<std::size_t>(m) * sizeof(T)), 0);
-      ASSERT_EQ(std::memcmp(ss.rstd.data(), st.rstd.data() + r0, static_cast<std::size_t>(m) * sizeof(T)), 0);
-    }
+    check_chunks_same_bits(ln, buf.data(), rows, n, chunk, y, st);
+    if (::testing::Test::HasFatalFailure()) return;
     // Rows alone too (with the Intel path choices the chunks above take the
     // streaming path as well: LayerNorm::intel_streaming): the first two
     // groups, and rows spread over the rest.
@@ -615,6 +632,43 @@ TYPED_TEST(LayerNormTest, LargeInputForwardSameBitsAsSmallCalls) {
     const nctest::IntelTuning paths(tuning);
     SCOPED_TRACE(::testing::Message() << "Intel tuning " << tuning);
     check_large_input_forward_same_bits_as_small_calls<TypeParam>();
+  }
+}
+
+// Inputs of half the streaming gate up to it (6-12 MiB) take the
+// streaming path's kernels without streaming stores under the other CPUs'
+// path choices (set 0, float, AVX-512 builds: LayerNorm::mid_streaming):
+// the same bits, mean and rstd as calls of 1 MB, which take the group
+// kernels there. Rows of 512 (the shortest that qualify), 1024 and 769 (a
+// tail), and 2048 with weight and bias (requested as the next row is
+// normalized); with weight only, and neither. Under every set of path
+// choices: under the Intel set both sizes take the streaming kernels
+// (LayerNorm::intel_streaming), under the others, and in builds without
+// AVX-512, both take the groups.
+TYPED_TEST(LayerNormTest, MidSizeInputForwardSameBitsAsSmallCalls) {
+  using T = TypeParam;
+  struct Case {
+    Index n;
+    int affine;
+  };
+  for (int tuning : {0, 1, 2, 3}) {
+    const nctest::IntelTuning paths(tuning);
+    for (const Case c : {Case{512, 2}, Case{769, 2}, Case{1024, 2}, Case{2048, 2}, Case{1024, 1}, Case{1024, 0}}) {
+      const Index n = c.n;
+      SCOPED_TRACE(::testing::Message() << "tuning " << tuning << " n=" << n << " affine=" << c.affine);
+      const Index row_bytes = n * static_cast<Index>(sizeof(T));
+      const Index rows = (normcore::detail::kStreamingBytes / 2 + normcore::detail::kStreamingBytes / 4) / row_bytes;
+      ASSERT_LT(rows * row_bytes, normcore::detail::kStreamingBytes);
+      LayerNorm<T> ln(LayerNormOptions({n}).elementwise_affine(c.affine > 0).bias(c.affine > 1));
+      set_random_affine(ln, n, c.affine, 17);
+      const auto buf = randn<T>(static_cast<std::size_t>(rows * n), 23, 0.5, 2.0);
+      Eigen::TensorMap<const Eigen::Tensor<T, 2, Eigen::RowMajor>> x(buf.data(), rows, n);
+      Eigen::Tensor<T, 2, Eigen::RowMajor> y(rows, n);
+      NormStats<T> st;
+      ln.forward(x, y, st);
+      check_chunks_same_bits(ln, buf.data(), rows, n, (Index(1) << 20) / row_bytes, y, st);
+      if (::testing::Test::HasFatalFailure()) return;
+    }
   }
 }
 

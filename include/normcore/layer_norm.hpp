@@ -334,7 +334,7 @@ class LayerNorm {
     const Index parts = detail::row_parts_for(device, rows * n, (rows + align - 1) / align);
     const detail::Split split{rows, parts, align};
     const bool large = detail::streaming_input<S, T>(rows, n);
-    const bool streaming = large || intel_streaming<S>(rows, n);
+    const bool streaming = large || intel_streaming<S>(rows, n) || mid_streaming<S>(rows, n);
     const bool stream_out = large && detail::stream_forward_output(rows * n * static_cast<Index>(sizeof(T)));
     if (xv.row_major) {
       detail::run_parts(device, parts, [&](Index p) {
@@ -379,8 +379,9 @@ class LayerNorm {
   // `count` rows of n contiguous values; mean/rstd (optional) per row.
   // Statistics for a group of rows (up to kCoeffGroup, at most
   // detail::kGroupBytes), then their normalization while the group is
-  // still in L1. On `streaming` inputs (detail::streaming_input, and on
-  // Intel CPUs smaller ones: intel_streaming) long rows go one at a time,
+  // still in L1. On `streaming` inputs (detail::streaming_input, on Intel
+  // CPUs smaller ones: intel_streaming, and under the other CPUs' path
+  // choices inputs from 6 MiB: mid_streaming) long rows go one at a time,
   // each row of the next group of short rows is requested as a row of this
   // one is normalized (detail::forward_group, detail::rows_ahead), rows of
   // 4-8 KB request the next row as they are normalized
@@ -432,6 +433,37 @@ class LayerNorm {
         rows < 2 || !detail::intel_tuned())
       return false;
     return n >= detail::kShortMomentsValues<T> || rows * n * static_cast<Index>(sizeof(T)) >= kIntelShortStreamingBytes;
+  }
+  // Under the other CPUs' path choices (detail::path_choices() 0, measured
+  // on Zen 4), in AVX-512 builds (not measured on Arm), float inputs of half of
+  // detail::kStreamingBytes (6 MiB) up to it take forward_rows' streaming
+  // path too (rows of at least detail::kShortMomentsValues one at a time,
+  // interleaved or requested as on larger inputs; no streaming stores,
+  // which keep their gate). Measured on a Zen 4 guest in session 53 (32 MB
+  // of L3, float, both choices alternating in one process, 9 shuffled
+  // rounds, the same bits), against the group kernels: 0.67x the time at
+  // 2048x768, 0.70x at 3072x768, 0.73x at 3900x768, 0.79-0.82x at
+  // 1536x1024 to 3000x1024, 0.67-0.68x at 3072x512 and 4096x512, 0.91-0.94x
+  // at 1024x2048 and 1500x2048; 2 threads 0.64-0.90x; with mean and rstd
+  // saved 0.59x and 0.78x at 2048x768 and 2048x1024. There inputs of 6-12
+  // MB took up to 1.8x the time of a streaming 12 MB one (LayerNorm forward
+  // 3072x768 against 4096x768): the caches this guest gets hold less than
+  // its 32 MB of L3. Smaller inputs lost or tied (1.03-1.11x at 256x1024
+  // and 1024x1024, 1.08x with a wide spread at 1280x1024), and rows under
+  // kShortMomentsValues through the streaming path lost (1.03-1.08x at
+  // 16384x64, 24000x64 and 8192x50). The other sets were not measured.
+  // RMSNorm's forward gained less (0.87-0.99x) and is left alone.
+  template <typename S>
+  static bool mid_streaming(Index rows, Index n) {
+#if defined(EIGEN_VECTORIZE_AVX512)
+    return std::is_same<S, float>::value && std::is_same<T, float>::value && rows >= 2 &&
+           n >= detail::kShortMomentsValues<T> && rows * n * static_cast<Index>(sizeof(T)) >= detail::kStreamingBytes / 2 &&
+           detail::path_choices() == 0;
+#else
+    (void)rows;
+    (void)n;
+    return false;
+#endif
   }
   // On AMD Zen 5 (detail::zen5_tuned) rows with gamma and beta are
   // requested up to 16 KB, into the L1 (detail::request_next<true>).

@@ -537,7 +537,9 @@ constexpr Index kGroupBytes = 16 * 1024;
 /// group while a row of this one is normalized (software prefetch), so that
 /// the next group's statistics pass does not start on misses. Below the
 /// gate the caches hold the input between calls, and the groups (and no
-/// prefetch) are faster: see forward_group.
+/// prefetch) are faster: see forward_group (except LayerNorm's long float
+/// rows from half the gate under the other CPUs' path choices, and on
+/// Intel CPUs: LayerNorm::mid_streaming, LayerNorm::intel_streaming).
 constexpr Index kStreamingBytes = Index(12) << 20;
 
 /// The caches the OS reports, in bytes, each read once: the last-level
@@ -652,7 +654,8 @@ inline Index rows_per_group(Index n, Index bytes, Index max_group) {
 /// 12-64 MB in rows of 512-1024 floats, 0.88x in rows of 2048; groups of
 /// two rows without the prefetch 0.79x, groups of four without it 0.87x.
 /// RMSNorm forward 0.85-1.06x. On inputs the caches hold (4-6 MB) one row
-/// at a time took 1.03-1.17x the time, hence the gate.
+/// at a time took 1.03-1.17x the time, hence the gate (LayerNorm lowers it
+/// to 6 MB under the other CPUs' path choices: LayerNorm::mid_streaming).
 inline Index forward_group(bool streaming, Index n, Index bytes, Index max_group, Index long_row) {
   return streaming && n >= long_row ? 1 : rows_per_group(n, bytes, max_group);
 }
@@ -691,7 +694,10 @@ inline void prefetch_span(const void* p, Index bytes) {
 /// of 64 lost (1.08x at 16384x64), hence this gate. The forwards, which
 /// touch only x and y, keep streaming_input: with the same lower gate they
 /// took 1.03-1.15x the time at 1536x1024, 768x2048 and on rows of 50 and 64
-/// (RMSNorm 1.05x at 2048x1024, LayerNorm 0.82x).
+/// (RMSNorm 1.05x at 2048x1024, LayerNorm 0.82x) in an earlier round on
+/// Zen 4. In session 53, on a Zen 4 guest whose caches held less,
+/// LayerNorm's long rows gained from 6 MB (0.67-0.94x), and take the lower
+/// gate under the other CPUs' path choices (LayerNorm::mid_streaming).
 template <typename S, typename T>
 bool streaming_backward(Index rows, Index n) {
   return streaming_input<S, T>(2 * rows, n);
@@ -770,9 +776,10 @@ inline AmdCpu amd_cpu() {
 }
 
 /// Whether the CPU is AMD's of family 0x1A or later (Zen 5 on; amd_cpu).
-/// Its path choices (zen5_tuned): Zen 4's, with two of the Intel CPUs'
-/// (dx_streams_tuned) and LayerNorm forward's requests into the L1
-/// (LayerNorm::request_max_row_bytes).
+/// Its path choices (zen5_tuned): Zen 4's, with one of the Intel CPUs'
+/// (dx_streams_tuned), LayerNorm forward's requests into the L1
+/// (LayerNorm::request_max_row_bytes), and without LayerNorm's streaming
+/// kernels on inputs of 6-12 MB (LayerNorm::mid_streaming).
 inline bool amd_zen5_cpu() { return amd_cpu().family >= 0x1Au; }
 
 /// Whether the CPU is AMD's Zen 3 (family 0x19, models 0x00-0x0F and
