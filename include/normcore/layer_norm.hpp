@@ -427,11 +427,16 @@ class LayerNorm {
   // doubles and 16-bit rows: unchanged (RMSNorm lost, 1.09x at 8x768;
   // doubles were not measured).
   static constexpr Index kIntelShortStreamingBytes = Index(1) << 20;
+  // What both gates below the streaming one require (intel_streaming,
+  // mid_streaming): two rows or more, of float stored as float, in a build
+  // with 32 vector registers.
+  template <typename S>
+  static constexpr bool streaming_kernels_below_gate(Index rows) {
+    return std::is_same<S, float>::value && std::is_same<T, float>::value && detail::kWideRegisterFile && rows >= 2;
+  }
   template <typename S>
   static bool intel_streaming(Index rows, Index n) {
-    if (!std::is_same<S, float>::value || !std::is_same<T, float>::value || !detail::kWideRegisterFile ||
-        rows < 2 || !detail::intel_tuned())
-      return false;
+    if (!streaming_kernels_below_gate<S>(rows) || !detail::intel_tuned()) return false;
     return n >= detail::kShortMomentsValues<T> || rows * n * static_cast<Index>(sizeof(T)) >= kIntelShortStreamingBytes;
   }
   // Under the other CPUs' path choices (detail::path_choices() 0, measured
@@ -456,9 +461,8 @@ class LayerNorm {
   template <typename S>
   static bool mid_streaming(Index rows, Index n) {
 #if defined(EIGEN_VECTORIZE_AVX512)
-    return std::is_same<S, float>::value && std::is_same<T, float>::value && rows >= 2 &&
-           n >= detail::kShortMomentsValues<T> && rows * n * static_cast<Index>(sizeof(T)) >= detail::kStreamingBytes / 2 &&
-           detail::path_choices() == 0;
+    return streaming_kernels_below_gate<S>(rows) && n >= detail::kShortMomentsValues<T> &&
+           rows * n * static_cast<Index>(sizeof(T)) >= detail::kStreamingBytes / 2 && detail::path_choices() == 0;
 #else
     (void)rows;
     (void)n;

@@ -167,7 +167,7 @@ void colmajor_in_compute_type(const S* x, S* y, Index ld, Index n, Index b, Inde
   for (Index r0 = b; r0 < e; r0 += blk) {
     const Index m = std::min(blk, e - r0);
     convert_rows_in(x, ld, r0, m, n, xb);
-    fn(static_cast<const Matrix2D<T>&>(colmajor_view(xb, m, n)), yb, r0);
+    fn(colmajor_view(xb, m, n), yb, r0);
     if (y) convert_rows_out(yb, m, n, y, ld, r0);
   }
 }
