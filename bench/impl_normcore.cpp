@@ -187,13 +187,22 @@ class NcRmsNorm : public Runner {
 #if NBENCH_HAVE_BN
 // NCHW: a rank-4 map (N, C, H, W) with channel axis 1. NHWC: (N, H, W, C)
 // with the channel axis last. The (N, C) shape: a rank-2 map, axis 1.
+template <typename S>
 class NcBatchNorm : public Runner {
  public:
   NcBatchNorm(const Case& c, const Inputs& in, bool serial = false)
       : c_(c), in_(in), serial_(serial), bn_(make_bn(c)), out_(static_cast<std::size_t>(c.elements())) {
+    if constexpr (!std::is_same<S, float>::value) {  // the inputs in the storage type (values exact in it)
+      x16_.resize(out_.size());
+      dy16_.resize(out_.size());
+      for (std::size_t i = 0; i < out_.size(); ++i) {
+        x16_[i] = static_cast<S>(in.x[i]);
+        dy16_[i] = static_cast<S>(in.dy[i]);
+      }
+    }
     for (Idx j = 0; j < c.C(); ++j) {
-      bn_.weight()(j) = in.gamma[j];
-      bn_.bias()(j) = in.beta[j];
+      bn_.weight()(j) = static_cast<S>(in.gamma[j]);
+      bn_.bias()(j) = static_cast<S>(in.beta[j]);
       bn_.running_mean()(j) = in.running_mean[j];
       bn_.running_var()(j) = in.running_var[j];
     }
@@ -203,34 +212,35 @@ class NcBatchNorm : public Runner {
       bn_.train();
     }
     if (c.op == Op::BN_bwd) {
-      std::vector<float> y(out_.size());
-      dispatch(in.x, y.data(), [&](auto x, auto yv) { bn_.forward(x, yv, stats_); });
+      std::vector<S> y(out_.size());
+      dispatch(xp(), y.data(), [&](auto x, auto yv) { bn_.forward(x, yv, stats_); });
     }
   }
   void run() override {
     switch (c_.op) {
       case Op::BN_train:
-        dispatch(in_.x, out_.data(), [&](auto x, auto y) {
+        dispatch(xp(), out_.data(), [&](auto x, auto y) {
           on_device(serial_, [&](const auto& d) { bn_.forward(d, x, y, stats_); });
         });
         break;
       case Op::BN_eval:
-        dispatch(in_.x, out_.data(), [&](auto x, auto y) {
+        dispatch(xp(), out_.data(), [&](auto x, auto y) {
           on_device(serial_, [&](const auto& d) { bn_.forward(d, x, y); });
         });
         break;
       default:
-        dispatch(in_.x, out_.data(), [&](auto x, auto dx) {
-          decltype(x) dy(in_.dy, x.dimensions());
+        dispatch(xp(), out_.data(), [&](auto x, auto dx) {
+          decltype(x) dy(dyp(), x.dimensions());
           on_device(serial_, [&](const auto& d) { bn_.backward(d, x, dy, &dx, &dw_, &db_, &stats_); });
         });
     }
   }
   void collect(Result& r) override {
-    r.out.assign(out_.begin(), out_.end());
+    r.out.resize(out_.size());
+    for (std::size_t i = 0; i < out_.size(); ++i) r.out[i] = static_cast<float>(out_[i]);
     if (c_.op == Op::BN_bwd) {
-      r.dweight = from_tensor(dw_);
-      r.dbias = from_tensor(db_);
+      r.dweight = widened(dw_);
+      r.dbias = widened(db_);
     } else if (c_.op == Op::BN_train) {
       r.mean = from_tensor(stats_.mean);
       r.rstd = from_tensor(stats_.rstd);
@@ -238,31 +248,58 @@ class NcBatchNorm : public Runner {
   }
 
  private:
-  static normcore::BatchNorm<float> make_bn(const Case& c) {
+  template <int R>
+  using In = Eigen::TensorMap<Eigen::Tensor<const S, R, Eigen::RowMajor>>;
+  template <int R>
+  using Out = Eigen::TensorMap<Eigen::Tensor<S, R, Eigen::RowMajor>>;
+  const S* xp() const {
+    if constexpr (std::is_same<S, float>::value) {
+      return in_.x;
+    } else {
+      return x16_.data();
+    }
+  }
+  const S* dyp() const {
+    if constexpr (std::is_same<S, float>::value) {
+      return in_.dy;
+    } else {
+      return dy16_.data();
+    }
+  }
+  static std::vector<float> widened(const Eigen::Tensor<S, 1>& t) {
+    std::vector<float> v(static_cast<std::size_t>(t.size()));
+    for (Idx i = 0; i < t.size(); ++i) v[static_cast<std::size_t>(i)] = static_cast<float>(t(i));
+    return v;
+  }
+  static normcore::BatchNorm<S> make_bn(const Case& c) {
     const bool last = c.layout == Layout::NHWC && !c.is_2d_bn();
-    return normcore::BatchNorm<float>(
+    return normcore::BatchNorm<S>(
         normcore::BatchNormOptions(c.C()).eps(kBnEps).momentum(kBnMomentum).channel_axis(last ? -1 : 1));
   }
   template <typename F>
-  void dispatch(const float* x, float* y, F&& f) {
+  void dispatch(const S* x, S* y, F&& f) {
     if (c_.is_2d_bn()) {
-      f(CMap<2>(x, c_.N(), c_.C()), Map<2>(y, c_.N(), c_.C()));
+      f(In<2>(x, c_.N(), c_.C()), Out<2>(y, c_.N(), c_.C()));
     } else if (c_.layout == Layout::NCHW) {
-      f(CMap<4>(x, c_.N(), c_.C(), c_.dims[2], c_.dims[3]),
-        Map<4>(y, c_.N(), c_.C(), c_.dims[2], c_.dims[3]));
+      f(In<4>(x, c_.N(), c_.C(), c_.dims[2], c_.dims[3]), Out<4>(y, c_.N(), c_.C(), c_.dims[2], c_.dims[3]));
     } else {
-      f(CMap<4>(x, c_.N(), c_.dims[2], c_.dims[3], c_.C()),
-        Map<4>(y, c_.N(), c_.dims[2], c_.dims[3], c_.C()));
+      f(In<4>(x, c_.N(), c_.dims[2], c_.dims[3], c_.C()), Out<4>(y, c_.N(), c_.dims[2], c_.dims[3], c_.C()));
     }
   }
   Case c_;
   Inputs in_;
   bool serial_;
-  normcore::BatchNorm<float> bn_;
+  normcore::BatchNorm<S> bn_;
   normcore::NormStats<float> stats_;
-  Eigen::Tensor<float, 1> dw_, db_;
-  Buffer out_;
+  Eigen::Tensor<S, 1> dw_, db_;
+  std::vector<S, CacheAligned<S>> out_, x16_, dy16_;
 };
+
+RunnerPtr make_batch_norm(const Case& c, const Inputs& in, bool serial) {
+  if (c.prec == Prec::BF16) return std::make_unique<NcBatchNorm<Eigen::bfloat16>>(c, in, serial);
+  if (c.prec == Prec::F16) return std::make_unique<NcBatchNorm<Eigen::half>>(c, in, serial);
+  return std::make_unique<NcBatchNorm<float>>(c, in, serial);
+}
 #endif
 
 // ------------------------------------------- 16-bit storage and fused ops
@@ -702,12 +739,12 @@ void add_normcore_impls(std::vector<Impl>& out) {
                    return true;
                  },
                  [](const Case& c, const Inputs& in) -> RunnerPtr {
+#if NBENCH_HAVE_BN
+                   if (is_batch_norm(c.op)) return make_batch_norm(c, in, false);
+#endif
                    if (c.prec != Prec::F32 || is_add(c.op)) return make_rows16(c, in, true);
 #if NBENCH_HAVE_RMS
                    if (is_rms(c.op)) return std::make_unique<NcRmsNorm>(c, in);
-#endif
-#if NBENCH_HAVE_BN
-                   if (is_batch_norm(c.op)) return std::make_unique<NcBatchNorm>(c, in);
 #endif
                    if (is_rms(c.op) || is_batch_norm(c.op)) return nullptr;
                    return std::make_unique<NcLayerNorm>(c, in);
@@ -731,7 +768,7 @@ void add_normcore_impls(std::vector<Impl>& out) {
                    if (is_rms(c.op)) return std::make_unique<NcRmsNorm>(c, in, true);
 #endif
 #if NBENCH_HAVE_BN
-                   if (is_batch_norm(c.op)) return std::make_unique<NcBatchNorm>(c, in, true);
+                   if (is_batch_norm(c.op)) return make_batch_norm(c, in, true);
 #endif
                    if (is_rms(c.op) || is_batch_norm(c.op)) return nullptr;
                    return std::make_unique<NcLayerNorm>(c, in, true);

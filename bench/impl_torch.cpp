@@ -29,6 +29,27 @@ std::vector<float> to_vector(const at::Tensor& t, at::MemoryFormat fmt = at::Mem
   return std::vector<float>(c.data_ptr<float>(), c.data_ptr<float>() + c.numel());
 }
 
+// Whether runner R runs the case's op on a tiny input of the given dims
+// (params: its parameter count): libtorch lacks some 16-bit CPU kernels in
+// some releases, and says so by throwing.
+template <typename R>
+bool runs_tiny(const Case& c, std::vector<std::int64_t> dims, std::size_t params) {
+  try {
+    Case t = c;
+    t.dims = std::move(dims);
+    std::vector<float> v(static_cast<std::size_t>(t.elements()), 0.5f), p(params, 1.0f);
+    for (std::size_t i = 0; i < v.size(); ++i) v[i] += 0.25f * static_cast<float>(i % 5);
+    Inputs in{v.data(), v.data(), p.data(), p.data(), p.data(), p.data()};
+    R r(t, in);
+    r.run();
+    Result res;
+    r.collect(res);
+    return true;
+  } catch (const std::exception&) {
+    return false;
+  }
+}
+
 class TorchRows : public Runner {
  public:
   TorchRows(const Case& c, const Inputs& in) : c_(c) {
@@ -102,6 +123,10 @@ class TorchBatchNorm : public Runner {
     b_ = wrap(in.beta, {C});
     rm_ = wrap(in.running_mean, {C}).clone();
     rv_ = wrap(in.running_var, {C}).clone();
+    if (c.prec != Prec::F32) {  // as module.to(dtype): every tensor in the dtype (.to keeps the strides)
+      const at::ScalarType dt = c.prec == Prec::BF16 ? at::kBFloat16 : at::kHalf;
+      for (at::Tensor* t : {&x_, &dy_, &w_, &b_, &rm_, &rv_}) *t = t->to(dt);
+    }
     if (c.op == Op::BN_bwd) {
       std::tie(y_, mean_, invstd_) =
           at::native_batch_norm(x_, w_, b_, rm_, rv_, true, kBnMomentum, kBnEps);
@@ -123,15 +148,18 @@ class TorchBatchNorm : public Runner {
     }
   }
   void collect(Result& r) override {
-    r.out = to_vector(y_, fmt_);
+    r.out = to_vector(y_.to(at::kFloat), fmt_);
     if (c_.op == Op::BN_bwd) {
-      r.dweight = to_vector(dw_);
-      r.dbias = to_vector(db_);
+      r.dweight = to_vector(dw_.to(at::kFloat));
+      r.dbias = to_vector(db_.to(at::kFloat));
     } else if (c_.op == Op::BN_train) {
-      r.mean = to_vector(mean_);
-      r.rstd = to_vector(invstd_);
+      r.mean = to_vector(mean_.to(at::kFloat));
+      r.rstd = to_vector(invstd_.to(at::kFloat));
     }
   }
+
+  /// Whether this libtorch has the 16-bit kernels for the case.
+  static bool available(const Case& c) { return runs_tiny<TorchBatchNorm>(c, {4, 2, 2, 2}, 2); }
 
  private:
   Case c_;
@@ -194,22 +222,7 @@ class TorchRows16 : public Runner {
 
   /// Whether this libtorch has the kernels for the case (half LayerNorm on
   /// the CPU, for one, is missing from some releases).
-  static bool available(const Case& c) {
-    try {
-      Case t = c;
-      t.dims = {2, 8};
-      std::vector<float> v(16, 0.5f), p(8, 1.0f);
-      for (std::size_t i = 0; i < v.size(); ++i) v[i] += 0.25f * static_cast<float>(i % 5);
-      Inputs in{v.data(), v.data(), p.data(), p.data(), p.data(), p.data()};
-      TorchRows16 r(t, in);
-      r.run();
-      Result res;
-      r.collect(res);
-      return true;
-    } catch (const std::exception&) {
-      return false;
-    }
-  }
+  static bool available(const Case& c) { return runs_tiny<TorchRows16>(c, {2, 8}, 8); }
 
  private:
   at::Tensor rms(const at::Tensor& x) const {
@@ -244,11 +257,12 @@ void add_torch_impls(std::vector<Impl>& out) {
   out.push_back({"torch",
                  [](const Case& c) {
                    if (c.prec == Prec::F32 && !is_add(c.op)) return true;
+                   if (is_batch_norm(c.op)) return TorchBatchNorm::available(c);
                    return TorchRows16::available(c);
                  },
                  [](const Case& c, const Inputs& in) -> RunnerPtr {
-                   if (c.prec != Prec::F32 || is_add(c.op)) return std::make_unique<TorchRows16>(c, in);
                    if (is_batch_norm(c.op)) return std::make_unique<TorchBatchNorm>(c, in);
+                   if (c.prec != Prec::F32 || is_add(c.op)) return std::make_unique<TorchRows16>(c, in);
                    return std::make_unique<TorchRows>(c, in);
                  }});
 }

@@ -76,6 +76,13 @@ std::vector<Case> all_cases(bool skip_huge_rows) {
       for (Op op : kBnOps) cases.push_back({op, l, s});
     }
   }
+  // BatchNorm with bfloat16 storage (activations and parameters; the
+  // running statistics in float, PyTorch's in the dtype), the same shapes.
+  for (Layout l : {Layout::NCHW, Layout::NHWC}) {
+    for (const auto& s : kBnShapes) {
+      for (Op op : kBnOps) cases.push_back({op, l, s, Prec::BF16});
+    }
+  }
   return cases;
 }
 

@@ -32,6 +32,8 @@ OP_ORDER = [
     "ADD_LN_fwd", "ADD_RMS_fwd",
     "LN_fwd_bf16", "LN_bwd_bf16", "RMS_fwd_bf16", "RMS_bwd_bf16", "ADD_LN_fwd_bf16", "ADD_RMS_fwd_bf16",
     "LN_fwd_f16", "LN_bwd_f16", "RMS_fwd_f16", "RMS_bwd_f16", "ADD_LN_fwd_f16", "ADD_RMS_fwd_f16",
+    "BN_train_nchw_bf16", "BN_eval_nchw_bf16", "BN_bwd_nchw_bf16",
+    "BN_train_nhwc_bf16", "BN_eval_nhwc_bf16", "BN_bwd_nhwc_bf16",
 ]
 OP_TITLE = {
     "LN_fwd": "LayerNorm forward",
@@ -49,7 +51,8 @@ OP_TITLE = {
     "ADD_RMS_fwd": "fused h = x + residual, y = RMSNorm(h), float",
 }
 for _p, _name in (("bf16", "bfloat16"), ("f16", "half")):
-    for _op in ("LN_fwd", "LN_bwd", "RMS_fwd", "RMS_bwd", "ADD_LN_fwd", "ADD_RMS_fwd"):
+    for _op in ("LN_fwd", "LN_bwd", "RMS_fwd", "RMS_bwd", "ADD_LN_fwd", "ADD_RMS_fwd", "BN_train_nchw",
+                "BN_eval_nchw", "BN_bwd_nchw", "BN_train_nhwc", "BN_eval_nhwc", "BN_bwd_nhwc"):
         OP_TITLE[f"{_op}_{_p}"] = OP_TITLE.get(_op, OP_TITLE.get(_op)) + f", {_name} storage" \
             if _op in OP_TITLE else _op
 OP_TITLE.update({k: v.replace(", float,", ",") for k, v in OP_TITLE.items() if k.startswith("ADD_") and "storage" in v})

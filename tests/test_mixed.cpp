@@ -109,6 +109,151 @@ TEST(Mixed, BatchNormBFloat16IsTheFloatPathRoundedOnce) {
   EXPECT_TRUE(bit_equal(a.running_var().data(), b.running_var().data(), static_cast<std::size_t>(C)));
 }
 
+// The 16-bit forward reads x as it is stored, its statistics a block at a
+// time widened (BatchNorm::channel_moments16), its normalize one pass per
+// packet or a block at a time (BatchNorm::normalize_blocks): the float path
+// on the widened input, rounded once, bit for bit, on every kernel of it.
+// NCHW maps of 1 (rank 2: channels last), 3 (smaller than a packet; with
+// 300 samples, two chunks of them), 20 and 49 (short, with a tail), 32
+// (whole packets), 196 (long enough for the per-segment normalize) and
+// 3000 values (more than a block; maps of 20 with 300 channels: blocks
+// that start mid-sample); channels last with 5, 37 (2000 rows:
+// on 3 threads, chunks of rows) and 3000 channels (a row longer than a
+// block); the training forward, then the forward with running statistics
+// (pivots), then with fresh running statistics (every pivot +0); 1 and 3
+// threads. And the backward after the training forward.
+template <typename S>
+void check_batch_norm_16bit_forward() {
+  const std::tuple<Index, Index, Index, int> shapes[] = {  // N, C, inner (0: rank 2), channel axis
+      {40, 6, 0, 1},     {12, 5, 3, 1},   {300, 40, 3, 1},  {9, 7, 20, 1},    {8, 6, 49, 1},
+      {100, 16, 49, 1},  {6, 5, 32, 1},   {24, 40, 196, 1}, {4, 3, 3000, 1},  {900, 5, 1, -1},
+      {2000, 37, 1, -1}, {12, 3000, 1, -1}, {9, 300, 20, 1}};
+  for (const auto& [N, C, inner, axis] : shapes) {
+    const Index count = N * C * std::max<Index>(inner, 1);
+    const auto xs = to16<S>(randn<float>(static_cast<std::size_t>(count), 41, 3.0, 2.0));
+    const auto xw = to32(xs);
+    for (const int threads : {1, 3}) {
+      Eigen::ThreadPool pool(threads);
+      Eigen::ThreadPoolDevice dev(&pool, threads);
+      normcore::BatchNorm<S> b16{normcore::BatchNormOptions(C).channel_axis(axis)};
+      normcore::BatchNorm<float> b32{normcore::BatchNormOptions(C).channel_axis(axis)};
+      for (Index c = 0; c < C; ++c) {
+        b16.weight()(c) = static_cast<S>(1.0f + 0.01f * static_cast<float>(c));
+        b16.bias()(c) = static_cast<S>(0.5f - 0.02f * static_cast<float>(c));
+        b32.weight()(c) = static_cast<float>(b16.weight()(c));
+        b32.bias()(c) = static_cast<float>(b16.bias()(c));
+      }
+      normcore::BatchNorm<S> fresh16 = b16;
+      normcore::BatchNorm<float> fresh32 = b32;
+      fresh16.eval();
+      fresh32.eval();
+      std::vector<S> y16(static_cast<std::size_t>(count));
+      std::vector<float> y32(static_cast<std::size_t>(count));
+      std::vector<S> want(static_cast<std::size_t>(count));
+      // f(x, xf, y, yf): maps of the 16-bit and float inputs and outputs, in
+      // the case's shape.
+      const auto dims = inner == 0 ? std::vector<Index>{N, C} : axis == 1 ? std::vector<Index>{N, C, inner}
+                                                                         : std::vector<Index>{N, inner, C};
+      const auto with_maps = [&](auto&& f) {
+        if (dims.size() == 2) {
+          f(Eigen::TensorMap<const Eigen::Tensor<S, 2, Eigen::RowMajor>>(xs.data(), dims[0], dims[1]),
+            Eigen::TensorMap<const Eigen::Tensor<float, 2, Eigen::RowMajor>>(xw.data(), dims[0], dims[1]),
+            Eigen::TensorMap<Eigen::Tensor<S, 2, Eigen::RowMajor>>(y16.data(), dims[0], dims[1]),
+            Eigen::TensorMap<Eigen::Tensor<float, 2, Eigen::RowMajor>>(y32.data(), dims[0], dims[1]));
+        } else {
+          f(Eigen::TensorMap<const Eigen::Tensor<S, 3, Eigen::RowMajor>>(xs.data(), dims[0], dims[1], dims[2]),
+            Eigen::TensorMap<const Eigen::Tensor<float, 3, Eigen::RowMajor>>(xw.data(), dims[0], dims[1], dims[2]),
+            Eigen::TensorMap<Eigen::Tensor<S, 3, Eigen::RowMajor>>(y16.data(), dims[0], dims[1], dims[2]),
+            Eigen::TensorMap<Eigen::Tensor<float, 3, Eigen::RowMajor>>(y32.data(), dims[0], dims[1], dims[2]));
+        }
+      };
+      // y16 (or dx) against y32 rounded once.
+      const auto check_rounded = [&](const char* what) {
+        normcore::detail::convert_n(y32.data(), want.data(), count);
+        for (Index i = 0; i < count; ++i)
+          ASSERT_EQ(Eigen::numext::bit_cast<std::uint16_t>(y16[static_cast<std::size_t>(i)]),
+                    Eigen::numext::bit_cast<std::uint16_t>(want[static_cast<std::size_t>(i)]))
+              << what << ", shape " << N << "x" << C << "x" << inner << " axis " << axis << ", " << threads
+              << " threads, value " << i;
+      };
+      const auto run = [&](normcore::BatchNorm<S>& a, normcore::BatchNorm<float>& b, const char* what) {
+        with_maps([&](auto x, auto xf, auto y, auto yf) {
+          a.forward(dev, x, y);
+          b.forward(xf, yf);
+        });
+        check_rounded(what);
+        EXPECT_TRUE(bit_equal(a.running_var().data(), b.running_var().data(), static_cast<std::size_t>(C)));
+      };
+      // The backward (dy = x) through float copies kept in the thread's
+      // scratch: dx over dy's copy, rounded once.
+      const auto backward = [&](normcore::BatchNorm<S>& a, normcore::BatchNorm<float>& b) {
+        Eigen::Tensor<S, 1> dw16, db16;
+        Eigen::Tensor<float, 1> dw32, db32;
+        with_maps([&](auto x, auto xf, auto dx, auto dxf) {
+          a.backward(dev, x, x, &dx, &dw16, &db16);
+          b.backward(xf, xf, &dxf, &dw32, &db32);
+        });
+        check_rounded("dx");
+        for (Index c = 0; c < C; ++c) {
+          ASSERT_EQ(static_cast<float>(dw16(c)), static_cast<float>(static_cast<S>(dw32(c))));
+          ASSERT_EQ(static_cast<float>(db16(c)), static_cast<float>(static_cast<S>(db32(c))));
+        }
+      };
+      run(b16, b32, "training");
+      backward(b16, b32);
+      b16.eval();
+      b32.eval();
+      run(b16, b32, "running statistics");
+      run(fresh16, fresh32, "fresh running statistics");
+    }
+  }
+}
+
+TEST(Mixed, BatchNormBFloat16ForwardKernelsAreTheFloatPathRoundedOnce) {
+  check_batch_norm_16bit_forward<Eigen::bfloat16>();
+}
+TEST(Mixed, BatchNormHalfForwardKernelsAreTheFloatPathRoundedOnce) { check_batch_norm_16bit_forward<Eigen::half>(); }
+
+// The 16-bit backward's float copies stay in the thread's scratch arena
+// whatever their size (here 2 x 10 MB, over its 16 MiB cap for other
+// temporaries), and release_scratch frees it; the bits do not change.
+TEST(Mixed, BatchNormBackwardCopiesStayInScratchUntilReleased) {
+  const Index N = 80, C = 32, S = 1024;  // 2.6M values: float copies of 10 MB each
+  const auto xs = to16<Eigen::bfloat16>(randn<float>(static_cast<std::size_t>(N * C * S), 43, 1.0, 2.0));
+  Eigen::TensorMap<const Eigen::Tensor<Eigen::bfloat16, 3, Eigen::RowMajor>> x(xs.data(), N, C, S);
+  normcore::BatchNorm<Eigen::bfloat16> bn{normcore::BatchNormOptions(C)};
+  normcore::release_scratch();
+  const auto g1 = bn.backward(x, x);
+  const std::size_t copies = 2 * static_cast<std::size_t>(N * C * S) * sizeof(float);
+  EXPECT_GE(normcore::detail::scratch_arena().capacity, copies / 2);  // the first copy (the second came too late)
+  const auto g2 = bn.backward(x, x);
+  EXPECT_GE(normcore::detail::scratch_arena().capacity, copies);  // both, grown at the next call
+  normcore::release_scratch();
+  EXPECT_EQ(normcore::detail::scratch_arena().capacity, 0u);
+  const auto g3 = bn.backward(x, x);
+  const auto n = static_cast<std::size_t>(N * C * S);
+  EXPECT_TRUE(bit_equal(g1.dx.data(), g2.dx.data(), n));
+  EXPECT_TRUE(bit_equal(g1.dx.data(), g3.dx.data(), n));
+  EXPECT_TRUE(bit_equal(g1.dweight.data(), g3.dweight.data(), static_cast<std::size_t>(C)));
+  normcore::release_scratch();
+}
+
+// 16-bit BatchNorm with an empty dim: the forward with running statistics
+// returns an empty output (as the float layer does), the training forward
+// reports its error.
+TEST(Mixed, BatchNormBFloat16EmptyInput) {
+  normcore::BatchNorm<Eigen::bfloat16> bn{normcore::BatchNormOptions(3)};
+  Eigen::Tensor<Eigen::bfloat16, 3, Eigen::RowMajor> x(2, 3, 0), y(2, 3, 0);
+  Eigen::Tensor<Eigen::bfloat16, 3, Eigen::ColMajor> xc(0, 3, 5), yc(0, 3, 5);
+  EXPECT_THROW(bn.forward(x, y), std::invalid_argument);
+  bn.eval();
+  bn.forward(x, y);
+  bn.forward(xc, yc);
+  normcore::NormStats<float> st;
+  bn.forward(x, y, st);
+  EXPECT_EQ(st.mean.size(), 3);
+}
+
 TEST(Fused, AddLayerNormEqualsAddThenNorm) {
   const Index rows = 50, n = 96;
   const auto xv = randn<float>(static_cast<std::size_t>(rows * n), 7);

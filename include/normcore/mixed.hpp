@@ -293,10 +293,11 @@ class FloatCopy {
   using Dims = Eigen::DSizes<Eigen::Index, Tr::rank>;
 
  public:
-  FloatCopy(const X& x, bool copy, bool in_arena)
-      : arena_(in_arena ? static_cast<std::size_t>(x.size()) : 0, false),
-        heap_(in_arena ? Dims() : Dims(x.dimensions())),
-        map_(in_arena ? arena_.data() : heap_.data(), x.dimensions()) {
+  // keep: from the arena whatever the size, which the arena then keeps.
+  FloatCopy(const X& x, bool copy, bool in_arena, bool keep = false)
+      : arena_(in_arena || keep ? static_cast<std::size_t>(x.size()) : 0, false, keep),
+        heap_(in_arena || keep ? Dims() : Dims(x.dimensions())),
+        map_(in_arena || keep ? arena_.data() : heap_.data(), x.dimensions()) {
     if (copy) convert_n(x.data(), map_.data(), x.size());
   }
   Map& map() { return map_; }
