@@ -128,7 +128,10 @@ void check_batch_norm_16bit_forward() {
       {40, 6, 0, 1},     {12, 5, 3, 1},   {300, 40, 3, 1},  {9, 7, 20, 1},    {8, 6, 49, 1},
       {100, 16, 49, 1},  {6, 5, 32, 1},   {24, 40, 196, 1}, {4, 3, 3000, 1},  {900, 5, 1, -1},
       {2000, 37, 1, -1}, {12, 3000, 1, -1}, {9, 300, 20, 1}};
-  for (const auto& [N, C, inner, axis] : shapes) {
+  for (const auto& shape : shapes) {
+    // (locals, not structured bindings: C++17 lambdas cannot capture those)
+    const Index N = std::get<0>(shape), C = std::get<1>(shape), inner = std::get<2>(shape);
+    const int axis = std::get<3>(shape);
     const Index count = N * C * std::max<Index>(inner, 1);
     const auto xs = to16<S>(randn<float>(static_cast<std::size_t>(count), 41, 3.0, 2.0));
     const auto xw = to32(xs);
