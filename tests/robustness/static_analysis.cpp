@@ -1,7 +1,8 @@
 // Instantiates every layer's forward and backward (float and double, both
-// layouts, Tensor and TensorMap) so that static analysis (clang-tidy,
-// cppcheck in .ci/robustness.sh) sees the template code of include/normcore
-// with real types. Also built and run as a smoke test.
+// layouts, Tensor and TensorMap; bfloat16 and half, one layout each) so
+// that static analysis (clang-tidy, cppcheck in .ci/robustness.sh) sees the
+// template code of include/normcore with real types. Also built and run as
+// a smoke test.
 #include <normcore/normcore.hpp>
 #include <normcore/reference/reference.hpp>
 
@@ -42,10 +43,38 @@ int exercise() {
          static_cast<int>(w.count());
 }
 
+// The 16-bit storage paths: the layers widen each value as they read it
+// and round each output once (LayerNorm and RMSNorm rows, BatchNorm's
+// forward), or go through float copies (BatchNorm's backward, kept in the
+// thread's scratch until release_scratch).
+template <typename S, int Layout>
+int exercise16() {
+  Eigen::Tensor<S, 3, Layout> x(4, 3, 40), dy(4, 3, 40), y(4, 3, 40);
+  x.setRandom();
+  dy.setRandom();
+  normcore::LayerNorm<S> ln(normcore::LayerNormOptions({40}));
+  normcore::NormStats<float> s;
+  ln.forward(x, y, s);
+  auto g = ln.backward(x, dy, &s);
+  normcore::RMSNorm<S> rn(normcore::RMSNormOptions({40}));
+  rn.forward(x, y);
+  auto gr = rn.backward(x, dy);
+  normcore::BatchNorm<S> bn(normcore::BatchNormOptions(3));
+  bn.forward(x, y, s);
+  auto gb = bn.backward(x, dy, &s);
+  bn.eval();
+  bn.forward(x, y);
+  normcore::BatchNorm<S> nhwc(normcore::BatchNormOptions(40).channel_axis(-1));
+  nhwc.forward(x, y);
+  normcore::release_scratch();
+  return static_cast<int>(g.dx.size() + gr.dx.size() + gb.dx.size());
+}
+
 }  // namespace
 
 int main() {
   const int n = exercise<float, Eigen::RowMajor>() + exercise<float, Eigen::ColMajor>() +
-                exercise<double, Eigen::RowMajor>() + exercise<double, Eigen::ColMajor>();
+                exercise<double, Eigen::RowMajor>() + exercise<double, Eigen::ColMajor>() +
+                exercise16<Eigen::bfloat16, Eigen::RowMajor>() + exercise16<Eigen::half, Eigen::ColMajor>();
   return n > 0 ? 0 : 1;
 }
