@@ -244,47 +244,14 @@ class BatchNorm {
     if (detail::to_serial(device, x.size())) return backward(Serial(), x, dy, dx, dweight, dbias, saved);
     detail::check_storage<T, X>();
     detail::check_same_scalar<X, DY>();
-    if constexpr (detail::is_16bit<X>()) {
-      // Statistics span the whole batch: 16-bit tensors go through whole
-      // float copies (detail::FloatCopy).
-      bool with_dx = false;
-      if constexpr (!std::is_null_pointer<DX>::value) {
-        using D = std::remove_pointer_t<DX>;
-        static_assert(std::is_pointer<DX>::value, "normcore: pass dx as a pointer (or nullptr)");
-        detail::check_same_scalar<X, D>();
-        detail::check_layouts<X, D>();
-        static_assert(detail::tensor_traits<D>::writable, "normcore: dx must be writable");
-        if (dx) {
-          detail::check_same_shape(kWho, "dx", x, *dx);
-          with_dx = true;
-        }
-      }
-      // dx goes over dy's copy (dx over dy is in place, the same bits). The
-      // copies stay in the thread's scratch arena whatever their size
-      // (normcore::release_scratch frees it): from the heap, as before, a
-      // call page-faulted them afresh whenever glibc had given them back to
-      // the system. Measured on the Zen 4 guest (bfloat16, NCHW, 1 thread,
-      // glibc's default malloc settings), against three copies from the
-      // heap: 256x256x14x14 took 31 ms instead of 102 ms (the float
-      // backward 12.7 ms), 32x64x56x56 13 ms instead of 16-18 ms (float
-      // 3.8 ms), 64x512x7x7 and 8x64x56x56 0.79x the time.
-      const detail::FloatCopy<X> xf(x, true, true, true);
-      detail::FloatCopy<DY> dyf(dy, true, true, true);
-      if (!with_dx) {
-        backward(device, xf.map(), dyf.map(), nullptr, dweight, dbias, saved);
-        return;
-      }
-      if constexpr (!std::is_null_pointer<DX>::value) {
-        backward(device, xf.map(), dyf.map(), &dyf.map(), dweight, dbias, saved);
-        detail::convert_n(dyf.map().data(), dx->data(), x.size());
-      }
-      return;
-    } else {
-    T* dxp = nullptr;
+    // 16-bit x, dy and dx are read and written as stored (no float copies):
+    // see backward_impl.
+    using S = typename detail::tensor_traits<X>::Scalar;
+    S* dxp = nullptr;
     if constexpr (!std::is_null_pointer<DX>::value) {
       using D = std::remove_pointer_t<DX>;
       static_assert(std::is_pointer<DX>::value, "normcore: pass dx as a pointer (or nullptr)");
-      detail::check_scalar<T, D>();
+      detail::check_same_scalar<X, D>();
       detail::check_layouts<X, D>();
       static_assert(detail::tensor_traits<D>::writable, "normcore: dx must be writable");
       if (dx) {
@@ -293,7 +260,6 @@ class BatchNorm {
       }
     }
     backward_impl(device, x, dy, dxp, dweight, dbias, saved);
-    }
   }
 
   template <typename X, typename DY>
@@ -1435,8 +1401,10 @@ class BatchNorm {
   }
 
   // One segment (o, c) of a channels-first tensor: adds its sums (as in
-  // channel_sums) to the channel's.
-  static void segment_sums(const T* xs, const T* gs, Index inner, T mean, double& sg, double& sgd, double& sd) {
+  // channel_sums) to the channel's. S: T, or 16 bits widened as loaded
+  // (builds with detail::packet_io).
+  template <typename S>
+  static void segment_sums(const S* xs, const S* gs, Index inner, T mean, double& sg, double& sgd, double& sd) {
     using namespace Eigen::internal;
     using Packet = typename detail::simd<T>::Packet;
     constexpr int L = detail::simd<T>::L;
@@ -1444,8 +1412,8 @@ class BatchNorm {
     Packet a0 = pset1<Packet>(T(0)), a1 = a0, a2 = a0;
     Index i = 0;
     for (; i + L <= inner; i += L) {
-      const Packet g = ploadu<Packet>(gs + i);
-      const Packet d = psub(ploadu<Packet>(xs + i), pm);
+      const Packet g = detail::load_widened<Packet>(gs + i);
+      const Packet d = psub(detail::load_widened<Packet>(xs + i), pm);
       a0 = padd(a0, g);
       a1 = pmadd(g, d, a1);
       a2 = padd(a2, d);
@@ -1453,9 +1421,10 @@ class BatchNorm {
     double s0 = static_cast<double>(predux(a0)), s1 = static_cast<double>(predux(a1)),
            s2 = static_cast<double>(predux(a2));
     for (; i < inner; ++i) {
-      const double d = static_cast<double>(xs[i] - mean);
-      s0 += static_cast<double>(gs[i]);
-      s1 += static_cast<double>(gs[i]) * d;
+      const double d = static_cast<double>(static_cast<T>(xs[i]) - mean);
+      const double g = static_cast<double>(static_cast<T>(gs[i]));
+      s0 += g;
+      s1 += g * d;
       s2 += d;
     }
     sg += s0;
@@ -1465,16 +1434,34 @@ class BatchNorm {
 
   // Channels [c0, c1) of a channels-first tensor: adds their sums over every
   // segment, in order of o (memory order).
-  static void range_sums(const T* x, const T* dy, const View& v, const T* mean, Index c0, Index c1, double* sg,
+  // 16-bit x and dy (S) in builds without packet conversions: a segment
+  // at a time widened into a float buffer.
+  template <typename S>
+  static void range_sums(const S* x, const S* dy, const View& v, const T* mean, Index c0, Index c1, double* sg,
                          double* sgd, double* sd) {
     if (v.inner > 1 && v.inner < detail::simd<T>::L) {
       small_map_sums(x, dy, v, mean, c0, c1, sg, sgd, sd);
       return;
     }
-    for (Index o = 0; o < v.outer; ++o) {
-      for (Index c = c0; c < c1; ++c) {
-        const Index base = (o * v.C + c) * v.inner;
-        segment_sums(x + base, dy + base, v.inner, mean[c], sg[c], sgd[c], sd[c]);
+    const Index inner = v.inner;
+    if constexpr (detail::packet_io<S, detail::simd<T>::L>()) {
+      for (Index o = 0; o < v.outer; ++o) {
+        for (Index c = c0; c < c1; ++c) {
+          const Index base = (o * v.C + c) * inner;
+          segment_sums(x + base, dy + base, inner, mean[c], sg[c], sgd[c], sd[c]);
+        }
+      }
+    } else {
+      detail::Scratch<T> buf(static_cast<std::size_t>(2 * inner), false);
+      T* const xb = buf.data();
+      T* const gb = xb + inner;
+      for (Index o = 0; o < v.outer; ++o) {
+        for (Index c = c0; c < c1; ++c) {
+          const Index base = (o * v.C + c) * inner;
+          detail::convert_n(x + base, xb, inner);
+          detail::convert_n(dy + base, gb, inner);
+          segment_sums(static_cast<const T*>(xb), static_cast<const T*>(gb), inner, mean[c], sg[c], sgd[c], sd[c]);
+        }
       }
     }
   }
@@ -1487,7 +1474,8 @@ class BatchNorm {
   // double, in order of i, chunk after chunk. A lane's arithmetic does not
   // depend on its place in the tile, so neither does a channel's on how
   // the channels are split.
-  static void small_map_sums(const T* x, const T* dy, const View& v, const T* mean, Index c0, Index c1,
+  template <typename S>
+  static void small_map_sums(const S* x, const S* dy, const View& v, const T* mean, Index c0, Index c1,
                              double* sg, double* sgd, double* sd) {
     const Index inner = v.inner, stride = v.C * inner;
     const Index ct = std::max<Index>(1, kSmallMapTile / inner);
@@ -1498,8 +1486,8 @@ class BatchNorm {
       for (Index c = t0; c < t1; ++c) std::fill_n(m.begin() + (c - t0) * inner, inner, mean[c]);
       for (Index o0 = 0; o0 < v.outer; o0 += detail::kChunk) {
         std::fill(a.begin(), a.end(), T(0));
-        chunk_sums(x + t0 * inner, dy + t0 * inner, stride, m.data(), 0, w, o0,
-                   std::min<Index>(v.outer, o0 + detail::kChunk), a.data(), cached);
+        strided_sums(x + t0 * inner, dy + t0 * inner, stride, m.data(), w, o0,
+                     std::min<Index>(v.outer, o0 + detail::kChunk), a.data(), cached);
         for (Index c = t0; c < t1; ++c)
           for (Index j = (c - t0) * inner; j < (c - t0 + 1) * inner; ++j) {
             sg[c] += static_cast<double>(a[static_cast<std::size_t>(j)]);
@@ -1562,15 +1550,17 @@ class BatchNorm {
     return !detail::streaming_backward<T, T>(rows, C);
 #endif
   }
-  static void chunk_sums(const T* x, const T* dy, Index C, const T* mean, Index c0, Index w, Index r0, Index r1,
+  // S: T, or 16 bits widened as loaded (builds with detail::packet_io).
+  template <typename S>
+  static void chunk_sums(const S* x, const S* dy, Index C, const T* mean, Index c0, Index w, Index r0, Index r1,
                          T* a, bool cached) {
     const Index o = cached ? chunk_sums_rows<kSumRows>(x, dy, C, mean, c0, w, r0, r1, a) : r0;
     chunk_sums_rows<1>(x, dy, C, mean, c0, w, o, r1, a);
   }
   // chunk_sums over whole groups of R rows from r0; returns the first row
   // it left.
-  template <int R>
-  static Index chunk_sums_rows(const T* x, const T* dy, Index C, const T* mean, Index c0, Index w, Index r0,
+  template <int R, typename S>
+  static Index chunk_sums_rows(const S* x, const S* dy, Index C, const T* mean, Index c0, Index w, Index r0,
                                Index r1, T* a) {
     using namespace Eigen::internal;
     // At most 256-bit packets: the sums go through memory row after row, and
@@ -1579,8 +1569,8 @@ class BatchNorm {
     constexpr int L = detail::narrow_simd<T>::L;
     Index o = r0;
     for (; o + R <= r1; o += R) {
-      const T* xr = x + o * C + c0;
-      const T* gr = dy + o * C + c0;
+      const S* xr = x + o * C + c0;
+      const S* gr = dy + o * C + c0;
       const T* mr = mean + c0;
       Index c = 0;
       for (; c + L <= w; c += L) {
@@ -1588,8 +1578,8 @@ class BatchNorm {
         Packet s0 = ploadu<Packet>(a + c), s1 = ploadu<Packet>(a + w + c), s2 = ploadu<Packet>(a + 2 * w + c);
         NORMCORE_UNROLL
         for (int i = 0; i < R; ++i) {
-          const Packet g = ploadu<Packet>(gr + i * C + c);
-          const Packet d = psub(ploadu<Packet>(xr + i * C + c), m);
+          const Packet g = detail::load_widened<Packet>(gr + i * C + c);
+          const Packet d = psub(detail::load_widened<Packet>(xr + i * C + c), m);
           s0 = padd(s0, g);
           s1 = pmadd(g, d, s1);
           s2 = padd(s2, d);
@@ -1601,9 +1591,10 @@ class BatchNorm {
       for (; c < w; ++c) {
         NORMCORE_UNROLL
         for (int i = 0; i < R; ++i) {
-          const T d = xr[i * C + c] - mr[c];
-          a[c] += gr[i * C + c];
-          a[w + c] = detail::madd(gr[i * C + c], d, a[w + c]);
+          const T d = static_cast<T>(xr[i * C + c]) - mr[c];
+          const T g = static_cast<T>(gr[i * C + c]);
+          a[c] += g;
+          a[w + c] = detail::madd(g, d, a[w + c]);
           a[2 * w + c] += d;
         }
       }
@@ -1611,11 +1602,39 @@ class BatchNorm {
     return o;
   }
 
+  // chunk_sums of rows [r0, r1) of w values each, row o at x + o * stride
+  // (and dy + o * stride), their means at mean[0, w). 16-bit x and dy (S)
+  // are widened as loaded, or, in builds without packet conversions, go a
+  // few rows at a time (about kNormalizeBlock values, at least kSumRows
+  // rows) through float buffers: chunk_sums adds every row's terms in row order however many
+  // rows it is given at once, so the same bits as on float copies.
+  template <typename S>
+  static void strided_sums(const S* x, const S* dy, Index stride, const T* mean, Index w, Index r0, Index r1,
+                           T* a, bool cached) {
+    if constexpr (detail::packet_io<S, detail::narrow_simd<T>::L>()) {
+      chunk_sums(x, dy, stride, mean, 0, w, r0, r1, a, cached);
+    } else {
+      const Index rows = std::max<Index>(kSumRows, kNormalizeBlock / std::max<Index>(1, w) / kSumRows * kSumRows);
+      detail::Scratch<T> buf(static_cast<std::size_t>(2 * rows * w), false);
+      T* const xb = buf.data();
+      T* const gb = xb + rows * w;
+      for (Index o = r0; o < r1; o += rows) {
+        const Index m = std::min(rows, r1 - o);
+        for (Index i = 0; i < m; ++i) {
+          detail::convert_n(x + (o + i) * stride, xb + i * w, w);
+          detail::convert_n(dy + (o + i) * stride, gb + i * w, w);
+        }
+        chunk_sums(xb, gb, w, mean, 0, w, 0, m, a, true);  // (the buffers are in cache)
+      }
+    }
+  }
+
   // Per channel: sg = sum dy, sgd = sum dy * d, sd = sum d with d = x - mean.
   // Channels last: sums in T over chunks of kChunk rows, added in double in
-  // chunk order (on several threads, whole chunks per thread).
-  template <typename Device>
-  void channel_sums(const Device& device, const T* x, const T* dy, const View& v, const T* mean,
+  // chunk order (on several threads, whole chunks per thread). S: T, or
+  // 16-bit x and dy, widened as they are read (strided_sums, range_sums).
+  template <typename Device, typename S>
+  void channel_sums(const Device& device, const S* x, const S* dy, const View& v, const T* mean,
                     double* sg, double* sgd, double* sd) const {
     const Index C = v.C;
     for (Index c = 0; c < C; ++c) sg[c] = sgd[c] = sd[c] = 0;
@@ -1625,8 +1644,8 @@ class BatchNorm {
         std::vector<T> a(static_cast<std::size_t>(3 * C));
         for (Index k = k0; k < k1; ++k, out += 3 * C) {
           std::fill(a.begin(), a.end(), T(0));
-          chunk_sums(x, dy, C, mean, 0, C, k * detail::kChunk, std::min(v.outer, (k + 1) * detail::kChunk), a.data(),
-                     cached);
+          strided_sums(x, dy, C, mean, C, k * detail::kChunk, std::min(v.outer, (k + 1) * detail::kChunk), a.data(),
+                       cached);
           for (Index j = 0; j < 3 * C; ++j) out[j] = static_cast<double>(a[static_cast<std::size_t>(j)]);
         }
       }, [&](const double* chunk) {
@@ -1645,7 +1664,8 @@ class BatchNorm {
         std::vector<T> a(static_cast<std::size_t>(3 * w));
         for (Index o0 = 0; o0 < v.outer; o0 += detail::kChunk) {
           std::fill(a.begin(), a.end(), T(0));
-          chunk_sums(x, dy, C, mean, c0, w, o0, std::min<Index>(v.outer, o0 + detail::kChunk), a.data(), cached);
+          strided_sums(x + c0, dy + c0, C, mean + c0, w, o0, std::min<Index>(v.outer, o0 + detail::kChunk), a.data(),
+                       cached);
           for (Index c = 0; c < w; ++c) {
             sg[c0 + c] += static_cast<double>(a[static_cast<std::size_t>(c)]);
             sgd[c0 + c] += static_cast<double>(a[static_cast<std::size_t>(w + c)]);
@@ -1658,17 +1678,13 @@ class BatchNorm {
     });
   }
 
-  template <typename Device, typename X, typename DY>
-  void backward_impl(const Device& device, const X& x, const DY& dy, T* dx, Eigen::Tensor<P, 1>* dweight,
+  // S: T, or the 16-bit type x, dy and dx are stored in (then read and
+  // written as stored: the statistics by batch_moments, the sums by
+  // channel_sums, dx by dx16_part; see there).
+  template <typename Device, typename X, typename DY, typename S>
+  void backward_impl(const Device& device, const X& x, const DY& dy, S* dx, Eigen::Tensor<P, 1>* dweight,
                      Eigen::Tensor<P, 1>* dbias, const NormStats<T>* saved) const {
-    using namespace Eigen::internal;
-    // dx in packets of at most 256 bits: with AVX-512, 512-bit ones took
-    // 1.3-1.7x the time channels-last (three streams and six per-channel
-    // constants a packet) and the same channels-first.
-    using Packet = typename detail::narrow_simd<T>::Packet;
-    constexpr int L = detail::narrow_simd<T>::L;
-    detail::check_scalar<T, X>();
-    detail::check_scalar<T, DY>();
+    constexpr bool widen = !std::is_same<S, T>::value;
     detail::check_layouts<X, DY>();
     const View v = view_of(x);
     detail::check_same_shape(kWho, "dy", x, dy);
@@ -1740,13 +1756,17 @@ class BatchNorm {
     // packets: channels-first on inputs of detail::kStreamingBytes or more,
     // channels-last on the row-wise backwards' gate
     // (dx_streams_channels_last).
+    // (16-bit dx: ordinary stores.)
     const Index total = v.outer * C * v.inner;
-    const bool stream = dx &&
-                        (v.inner > 1 ? total * static_cast<Index>(sizeof(T)) >= detail::kStreamingBytes &&
-                                           detail::can_stream_rows(dx, v.inner)
-                                     : dx_streams_channels_last(v.outer, C) && detail::can_stream_rows(dx, C)) &&
-                        detail::disjoint(x.data(), total, static_cast<const T*>(dx), total) &&
-                        detail::disjoint(dy.data(), total, static_cast<const T*>(dx), total);
+    bool stream = false;
+    if constexpr (!widen) {
+      stream = dx &&
+               (v.inner > 1 ? total * static_cast<Index>(sizeof(T)) >= detail::kStreamingBytes &&
+                                  detail::can_stream_rows(dx, v.inner)
+                            : dx_streams_channels_last(v.outer, C) && detail::can_stream_rows(dx, C)) &&
+               detail::disjoint(x.data(), total, static_cast<const T*>(dx), total) &&
+               detail::disjoint(dy.data(), total, static_cast<const T*>(dx), total);
+    }
     const auto streaming = [&](auto&& body) {
       if (stream) {
         body(std::true_type());
@@ -1755,20 +1775,26 @@ class BatchNorm {
         body(std::false_type());
       }
     };
-    const DxArgs dx_args{x.data(), dy.data(), dx, piv.data(), rs.data(), xs.data(), k3.data(), k4.data(), a.data()};
+    DxArgs dx_args{nullptr, nullptr, nullptr, piv.data(), rs.data(), xs.data(), k3.data(), k4.data(), a.data()};
+    if constexpr (!widen) {
+      dx_args.x = x.data();
+      dx_args.dy = dy.data();
+      dx_args.dx = dx;
+    }
     // Channels first with no cross-process reduction: each channel's sums,
     // coefficients and dx in one go, so dx reads x and dy back from cache
     // rather than memory. Same arithmetic, same bits as the two passes.
     // Only with enough channels to keep every thread busy (the dx pass alone
     // splits finer, by segments).
-    // (inner may be 0: an empty spatial dim, or N = 0 for ColMajor.)
+    // (inner may be 0: an empty spatial dim, or N = 0 for ColMajor.) Not
+    // for 16-bit tensors, whose passes widen them again.
     const Index group = detail::fused_channel_group(v.inner, local_count * Index(2 * sizeof(T)), kFusedRun);
     // On Intel CPUs, where a group stays within half the L2, a group's run
     // of contiguous values must be a quarter of kFusedRun long; elsewhere
     // each segment (see kFusedRun). Channels first only (inner > 1):
     // channels-last sums go by chunks of rows, other bits.
     const Index run = v.inner <= 1 ? 0 : detail::intel_tuned() ? group * v.inner : v.inner;
-    const bool fused = dx && run >= kFusedRun / 4 && local_count > 0 && !(reducer_ && batch) &&
+    const bool fused = !widen && dx && run >= kFusedRun / 4 && local_count > 0 && !(reducer_ && batch) &&
                        C >= 8 * static_cast<Index>(device.numThreads()) &&
                        group * local_count * Index(2 * sizeof(T)) <= kFusedBytes;
     if (fused) {  // (sums starts at zero)
@@ -1807,32 +1833,19 @@ class BatchNorm {
       detail::resize_vector(*dbias, C);
       for (Index c = 0; c < C; ++c) (*dbias)(c) = static_cast<P>(local[static_cast<std::size_t>(c)]);
     }
-    if (!dx || fused) return;
+    if (!dx || fused || total == 0) return;  // (an empty dim: nothing to write)
     for (Index c = 0; c < C; ++c) coeffs(c, count);
     const detail::Split split = segment_split(device, v);
     detail::run_parts(device, split.parts, [&](Index p) {
       const Index s0 = split.begin(p), s1 = split.begin(p + 1);
+      if constexpr (widen) {
+        dx16_part(x.data(), dy.data(), dx, dx_args, v, s0, s1);
+        return;
+      } else {
       if (v.inner == 1) {
         streaming([&](auto stream_dx) {
           constexpr bool Stream = decltype(stream_dx)::value;
-          const DxArgs q = dx_args;  // (in a local: see DxArgs)
-          const Index nc = C;
-          for (Index o = s0; o < s1; ++o) {
-            const T* xr = q.x + o * nc;
-            const T* gr = q.dy + o * nc;
-            T* dr = q.dx + o * nc;
-            Index c = 0;
-            for (; c + L <= nc; c += L) {
-              const Packet d = psub(ploadu<Packet>(xr + c), ploadu<Packet>(q.piv + c));
-              const Packet xh = pmadd(d, ploadu<Packet>(q.rs + c), ploadu<Packet>(q.xs + c));
-              const Packet t = pmadd(xh, ploadu<Packet>(q.k3 + c), ploadu<Packet>(q.k4 + c));
-              detail::store_packet<Stream>(dr + c, pmadd(ploadu<Packet>(gr + c), ploadu<Packet>(q.a + c), pnegate(t)));
-            }
-            for (; c < nc; ++c) {
-              const T xh = detail::madd(xr[c] - q.piv[c], q.rs[c], q.xs[c]);
-              dr[c] = detail::madd(gr[c], q.a[c], -detail::madd(xh, q.k3[c], q.k4[c]));
-            }
-          }
+          dx_rows<Stream>(dx_args, C, s0, s1);
         });
         return;
       }
@@ -1850,7 +1863,177 @@ class BatchNorm {
           if (++c == nc) c = 0;  // no division per segment
         }
       });
+      }
     });
+  }
+
+  // dx of channels-last rows [o0, o1) of C values. In packets of at most
+  // 256 bits: with AVX-512, 512-bit ones took 1.3-1.7x the time (three
+  // streams and six per-channel constants a packet).
+  template <bool Stream>
+  static void dx_rows(const DxArgs& args, Index C, Index o0, Index o1) {
+    using namespace Eigen::internal;
+    using Packet = typename detail::narrow_simd<T>::Packet;
+    constexpr int L = detail::narrow_simd<T>::L;
+    const DxArgs q = args;  // (in a local: see DxArgs)
+    for (Index o = o0; o < o1; ++o) {
+      const T* xr = q.x + o * C;
+      const T* gr = q.dy + o * C;
+      T* dr = q.dx + o * C;
+      Index c = 0;
+      for (; c + L <= C; c += L) {
+        const Packet d = psub(ploadu<Packet>(xr + c), ploadu<Packet>(q.piv + c));
+        const Packet xh = pmadd(d, ploadu<Packet>(q.rs + c), ploadu<Packet>(q.xs + c));
+        const Packet t = pmadd(xh, ploadu<Packet>(q.k3 + c), ploadu<Packet>(q.k4 + c));
+        detail::store_packet<Stream>(dr + c, pmadd(ploadu<Packet>(gr + c), ploadu<Packet>(q.a + c), pnegate(t)));
+      }
+      for (; c < C; ++c) {
+        const T xh = detail::madd(xr[c] - q.piv[c], q.rs[c], q.xs[c]);
+        dr[c] = detail::madd(gr[c], q.a[c], -detail::madd(xh, q.k3[c], q.k4[c]));
+      }
+    }
+  }
+
+  // dx of segments [s0, s1) (channels last: rows) into 16-bit dx from
+  // 16-bit x and dy (S), with the per-channel constants of k (its x, dy and
+  // dx unused): no float copy. Channels-last rows and channels-first
+  // segments of at least kFusedSegmentPackets packets, or of whole packets,
+  // in one pass (dx16_rows, dx16_segments) in builds that convert whole
+  // packets; the rest a block of about kNormalizeBlock values at a time
+  // through float buffers, with the float kernels on each block (whole
+  // rows; a run of one sample's segments; or a piece of one long segment)
+  // and convert_n into dx. Every value gets the arithmetic of dx_values,
+  // rounded once: the same bits as the float backward on widened copies of
+  // x and dy, rounded (the path before, which made those copies).
+  template <typename S>
+  static void dx16_part(const S* x, const S* dy, S* dx, const DxArgs& k, const View& v, Index s0, Index s1) {
+    constexpr int L = detail::simd<T>::L;
+    const Index C = v.C, inner = v.inner;
+    if constexpr (detail::packet_io<S, L>()) {
+      if (inner == 1) {
+        dx16_rows(x, dy, dx, k, C, s0, s1);
+        return;
+      }
+      if (inner >= kFusedSegmentPackets * L || (inner >= L && inner % L == 0)) {
+        dx16_segments(x, dy, dx, k, inner, C, s0, s1);
+        return;
+      }
+    }
+    const Index block = std::max(kNormalizeBlock, inner == 1 ? C : Index(0));  // at least a row
+    detail::Scratch<T> buf(static_cast<std::size_t>(2 * block), false);
+    T* const xb = buf.data();
+    T* const gb = xb + block;
+    // Values [first, first + count), channel c first: f(q) computes their
+    // dx over dy's buffer (in place, as dx_values allows).
+    const auto run = [&](Index first, Index count, Index c, auto&& f) {
+      detail::convert_n(x + first, xb, count);
+      detail::convert_n(dy + first, gb, count);
+      f(DxArgs{xb, gb, gb, k.piv + c, k.rs + c, k.xs + c, k.k3 + c, k.k4 + c, k.a + c});
+      detail::convert_n(static_cast<const T*>(gb), dx + first, count);
+    };
+    if (inner == 1) {
+      const Index rows = std::max<Index>(1, block / C);
+      for (Index r = s0; r < s1; r += rows) {
+        const Index m = std::min(rows, s1 - r);
+        run(r * C, m * C, 0, [&](const DxArgs& q) { dx_rows<false>(q, C, 0, m); });
+      }
+      return;
+    }
+    for (Index sg = s0; sg < s1;) {
+      const Index c = sg % C;
+      if (inner > block) {  // a segment in pieces
+        for (Index i = 0; i < inner; i += block) {
+          const Index len = std::min(block, inner - i);
+          run(sg * inner + i, len, c, [&](const DxArgs& q) { dx_values<false>(q, 0, len, 0); });
+        }
+        ++sg;
+        continue;
+      }
+      const Index segs = std::min({s1 - sg, C - c, block / inner});  // within one sample
+      run(sg * inner, segs * inner, c, [&](const DxArgs& q) {
+        if (inner < L) {
+          dx_small_maps(q, inner, segs, 0, segs);
+        } else {
+          for (Index j = 0; j < segs; ++j) dx_values<false>(q, j * inner, inner, j);
+        }
+      });
+      sg += segs;
+    }
+  }
+
+  // dx16_part's one-pass kernels: each packet of x and dy widened as it is
+  // loaded, dx rounded once as it is stored; a row's or segment's last
+  // values through one padded packet (dx16_tail), computed and rounded as
+  // the body is (detail::convert_n's tail does the same).
+  template <typename Packet>
+  static EIGEN_ALWAYS_INLINE Packet dx_of(const Packet& xv, const Packet& g, const Packet& piv, const Packet& rs,
+                                          const Packet& xs, const Packet& k3, const Packet& k4, const Packet& a) {
+    using namespace Eigen::internal;
+    return pmadd(g, a, pnegate(pmadd(pmadd(psub(xv, piv), rs, xs), k3, k4)));
+  }
+  // Channels-last rows in full packets, unlike the float dx_rows: with
+  // AVX-512 (bfloat16, 1 thread, the whole backward with saved statistics)
+  // 512-bit packets took 0.79-0.93x the time of 256-bit ones at 4096x512,
+  // 64x512x7x7, 32x64x56x56 and 256x256x14x14 channels last.
+  template <typename S>
+  static void dx16_rows(const S* x, const S* dy, S* dx, const DxArgs& k, Index C, Index o0, Index o1) {
+    using namespace Eigen::internal;
+    using Packet = typename detail::simd<T>::Packet;
+    constexpr int L = detail::simd<T>::L;
+    const DxArgs q = k;  // (in a local: see DxArgs)
+    const Index full = C / L * L;
+    for (Index o = o0; o < o1; ++o) {
+      const S* xr = x + o * C;
+      const S* gr = dy + o * C;
+      S* dr = dx + o * C;
+      for (Index c = 0; c < full; c += L)
+        detail::store_narrowed(dr + c, dx_of(detail::load_widened<Packet>(xr + c), detail::load_widened<Packet>(gr + c),
+                                             ploadu<Packet>(q.piv + c), ploadu<Packet>(q.rs + c),
+                                             ploadu<Packet>(q.xs + c), ploadu<Packet>(q.k3 + c),
+                                             ploadu<Packet>(q.k4 + c), ploadu<Packet>(q.a + c)));
+      if (full < C) dx16_tail(xr + full, gr + full, dr + full, C - full, q, full, 1);
+    }
+  }
+  template <typename S>
+  static void dx16_segments(const S* x, const S* dy, S* dx, const DxArgs& k, Index inner, Index C, Index s0,
+                            Index s1) {
+    using namespace Eigen::internal;
+    using Packet = typename detail::simd<T>::Packet;
+    constexpr int L = detail::simd<T>::L;
+    const DxArgs q = k;
+    const Index full = inner / L * L;
+    Index c = s0 % C;
+    for (Index sg = s0; sg < s1; ++sg) {
+      const S* xs = x + sg * inner;
+      const S* gs = dy + sg * inner;
+      S* ds = dx + sg * inner;
+      const Packet pp = pset1<Packet>(q.piv[c]), pr = pset1<Packet>(q.rs[c]), px = pset1<Packet>(q.xs[c]),
+                   p3 = pset1<Packet>(q.k3[c]), p4 = pset1<Packet>(q.k4[c]), pa = pset1<Packet>(q.a[c]);
+      for (Index i = 0; i < full; i += L)
+        detail::store_narrowed(ds + i, dx_of(detail::load_widened<Packet>(xs + i), detail::load_widened<Packet>(gs + i),
+                                             pp, pr, px, p3, p4, pa));
+      if (full < inner) dx16_tail(xs + full, gs + full, ds + full, inner - full, q, c, 0);
+      if (++c == C) c = 0;
+    }
+  }
+  // n < L values; the constants of value j at k.<constant>[c + j * step].
+  template <typename S>
+  static void dx16_tail(const S* x, const S* dy, S* dx, Index n, const DxArgs& k, Index c, Index step) {
+    using namespace Eigen::internal;
+    using Packet = typename detail::simd<T>::Packet;
+    constexpr int L = detail::simd<T>::L;
+    alignas(64) T in[8][L] = {};  // x, dy, then the constants in dx_of's order
+    alignas(64) S out[L];
+    const T* const constants[6] = {k.piv, k.rs, k.xs, k.k3, k.k4, k.a};
+    for (Index j = 0; j < n; ++j) {
+      in[0][j] = static_cast<T>(x[j]);
+      in[1][j] = static_cast<T>(dy[j]);
+      for (int i = 0; i < 6; ++i) in[2 + i][j] = constants[i][c + j * step];
+    }
+    detail::store_narrowed(out, dx_of(ploadu<Packet>(in[0]), ploadu<Packet>(in[1]), ploadu<Packet>(in[2]),
+                                      ploadu<Packet>(in[3]), ploadu<Packet>(in[4]), ploadu<Packet>(in[5]),
+                                      ploadu<Packet>(in[6]), ploadu<Packet>(in[7])));
+    std::copy(out, out + n, dx);
   }
 
   BatchNormOptions options_;

@@ -53,7 +53,10 @@ constexpr void check_param_type() {
 /// subnormal float as zero where the scalar conversion rounds it, and
 /// Eigen's other bfloat16 casts give every NaN the same sign, so a scalar
 /// tail could differ from the body (a value's bits would depend on where it
-/// fell). Half: F16C and the scalar conversion both round IEEE's way.
+/// fell). Half: F16C and the scalar conversion both round numbers IEEE's
+/// way, but the scalar one (GCC builds: Eigen enables its own F16C path
+/// only for clang) turns every NaN into the default one, so where F16C
+/// converts the body it converts the tail too, as one padded packet.
 template <typename S, typename D>
 void convert_n(const S* src, D* dst, Index n) {
   using namespace Eigen::internal;
@@ -69,9 +72,19 @@ void convert_n(const S* src, D* dst, Index n) {
       for (; i + 8 <= n; i += 8)
         _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
     } else if constexpr (std::is_same<S, float>::value && std::is_same<D, Eigen::half>::value) {
-      for (; i + 8 <= n; i += 8)
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
-                         _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+      const auto eight = [](const float* f, Eigen::half* h) {
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(h),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(f), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+      };
+      for (; i + 8 <= n; i += 8) eight(src + i, dst + i);
+      if (i < n) {  // the tail as one padded packet (the scalar conversion drops NaN payloads)
+        alignas(32) float f[8] = {};
+        alignas(16) Eigen::half h[8];
+        std::copy(src + i, src + n, f);
+        eight(f, h);
+        std::copy(h, h + (n - i), dst + i);
+        i = n;
+      }
     }
 #endif
     if constexpr (std::is_same<D, float>::value && is_storage16<S>::value) {
@@ -293,11 +306,10 @@ class FloatCopy {
   using Dims = Eigen::DSizes<Eigen::Index, Tr::rank>;
 
  public:
-  // keep: from the arena whatever the size, which the arena then keeps.
-  FloatCopy(const X& x, bool copy, bool in_arena, bool keep = false)
-      : arena_(in_arena || keep ? static_cast<std::size_t>(x.size()) : 0, false, keep),
-        heap_(in_arena || keep ? Dims() : Dims(x.dimensions())),
-        map_(in_arena || keep ? arena_.data() : heap_.data(), x.dimensions()) {
+  FloatCopy(const X& x, bool copy, bool in_arena)
+      : arena_(in_arena ? static_cast<std::size_t>(x.size()) : 0, false),
+        heap_(in_arena ? Dims() : Dims(x.dimensions())),
+        map_(in_arena ? arena_.data() : heap_.data(), x.dimensions()) {
     if (copy) convert_n(x.data(), map_.data(), x.size());
   }
   Map& map() { return map_; }

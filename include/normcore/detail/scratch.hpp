@@ -1,9 +1,9 @@
 // normcore::detail: per-thread scratch memory for the temporaries of one
 // call (the backwards' per-group parameter sums and recomputed statistics;
 // the ColMajor forwards' per-row moments, coefficients and rstd, and the
-// lane statistics' chunk states; the float blocks of 16-bit ColMajor rows,
-// and BatchNorm's whole float copies of 16-bit tensors when they fit),
-// kept from one call to the next.
+// lane statistics' chunk states; the float blocks of 16-bit rows and
+// segments, and BatchNorm's whole float copies of 16-bit tensors in its
+// Intel-only fused forward when they fit), kept from one call to the next.
 //
 // Why: those temporaries reach hundreds of KB (16 groups of n doubles for
 // each parameter gradient). glibc serves such a block from the top of its
@@ -13,10 +13,8 @@
 // at 512x4096 spent more than half its time in those faults (2.3x the time
 // with glibc's trimming and mmap turned off). A thread's arena grows to the
 // largest total it was asked for at once and stays; requests larger than
-// kScratchKeepBytes are allocated and freed per call as before, except
-// those made to be kept whatever their size (BatchNorm's float copies of
-// 16-bit x and dy in its backward). normcore::release_scratch() frees the
-// calling thread's arena.
+// kScratchKeepBytes are allocated and freed per call as before.
+// normcore::release_scratch() frees the calling thread's arena.
 #pragma once
 
 #include <algorithm>
@@ -41,8 +39,6 @@ struct ScratchArena {
   std::size_t capacity = 0;  // bytes at base
   std::size_t top = 0;       // bytes in use (a stack of live Scratch objects)
   std::size_t want = 0;      // the largest total asked for at once, up to kScratchKeepBytes
-                             // until a request to be kept whatever its size (then any)
-  bool unbounded = false;    // whether such a request came (release_scratch clears it)
 };
 
 inline ScratchArena& scratch_arena() {
@@ -53,23 +49,20 @@ inline ScratchArena& scratch_arena() {
 /// `count` values of T for the lifetime of this object, zeroed if asked.
 /// From the calling thread's arena when they fit, else from the heap; the
 /// first request made while no other Scratch of the thread is alive grows
-/// the arena to the largest total asked for so far: up to
-/// kScratchKeepBytes, or of any size once a request with `keep` came (then
-/// the temporaries asked for beside such requests are kept too).
-/// Scratch objects of one thread must end in the reverse order of their
-/// creation, as automatic variables do.
+/// the arena to the largest total (up to kScratchKeepBytes) asked for so
+/// far. Scratch objects of one thread must end in the reverse order of
+/// their creation, as automatic variables do.
 template <typename T>
 class Scratch {
   static_assert(std::is_trivially_copyable<T>::value && std::is_trivially_destructible<T>::value,
                 "Scratch holds plain values");
 
  public:
-  Scratch(std::size_t count, bool zero, bool keep = false) : count_(count) {
+  Scratch(std::size_t count, bool zero) : count_(count) {
     if (count == 0) return;
     bytes_ = (count * sizeof(T) + 63) / 64 * 64;
     ScratchArena& a = scratch_arena();
-    a.unbounded = a.unbounded || keep;
-    if (a.unbounded || a.top + bytes_ <= kScratchKeepBytes) a.want = std::max(a.want, a.top + bytes_);
+    if (a.top + bytes_ <= kScratchKeepBytes) a.want = std::max(a.want, a.top + bytes_);
     if (a.top == 0 && a.capacity < a.want) {  // nothing alive: grow to the largest total seen
       auto* p = static_cast<unsigned char*>(::operator new[](a.want, std::align_val_t(64), std::nothrow));
       if (p) {
@@ -110,9 +103,8 @@ class Scratch {
 }  // namespace detail
 
 /// Frees the calling thread's scratch memory, which normcore keeps from one
-/// call to the next (up to 16 MiB of temporaries; more on a thread that ran
-/// a 16-bit BatchNorm backward, whose float copies of x and dy are kept
-/// whatever their size). The next call that needs it allocates it again.
+/// call to the next (up to 16 MiB of temporaries). The next call that needs
+/// it allocates it again.
 /// Does nothing while a call of this thread is using it.
 inline void release_scratch() {
   detail::ScratchArena& a = detail::scratch_arena();
@@ -120,7 +112,6 @@ inline void release_scratch() {
   a.base.reset();
   a.capacity = 0;
   a.want = 0;
-  a.unbounded = false;
 }
 
 }  // namespace normcore
