@@ -436,6 +436,40 @@ TYPED_TEST(BatchNormTest, FusedChannelsFirstTrainingForwardMatchesTwoPasses) {
   }
 }
 
+// In place: the forward with y over x, the backward with dx over dy and
+// dx over x give the bits of a separate output, on every path (channels
+// last; maps smaller than a packet; short and long segments; the fused
+// channels-first backward at 16x1024), in training and in eval.
+TYPED_TEST(BatchNormTest, InPlaceSameBitsAsSeparateOutputs) {
+  using T = TypeParam;
+  const std::tuple<Index, Index, Index> shapes[] = {{300, 37, 1}, {12, 5, 3}, {8, 6, 49}, {4, 16, 1024}, {3, 4, 3000}};
+  for (const auto& shape : shapes) {
+    const Index N = std::get<0>(shape), C = std::get<1>(shape), S = std::get<2>(shape);
+    const auto n = static_cast<std::size_t>(N * C * S);
+    const auto xv = randn<T>(n, 120, 0.5, 2.0), gv = randn<T>(n, 121);
+    for (const bool training : {true, false}) {
+      SCOPED_TRACE(::testing::Message() << N << "x" << C << "x" << S << (training ? " training" : " eval"));
+      BatchNorm<T> bn{BatchNormOptions(C)};
+      randomize(bn, 122);
+      bn.train(training);
+      BatchNorm<T> twin = bn;
+      using Map = Eigen::TensorMap<Eigen::Tensor<T, 3, Eigen::RowMajor>>;
+      using ConstMap = Eigen::TensorMap<const Eigen::Tensor<T, 3, Eigen::RowMajor>>;
+      std::vector<T> y(n), over = xv, dx(n), over_dy = gv, over_x = xv;
+      NormStats<T> st, st_twin;
+      bn.forward(ConstMap(xv.data(), N, C, S), Map(y.data(), N, C, S), st);
+      twin.forward(ConstMap(over.data(), N, C, S), Map(over.data(), N, C, S), st_twin);
+      EXPECT_EQ(std::memcmp(y.data(), over.data(), n * sizeof(T)), 0) << "y over x";
+      Map d(dx.data(), N, C, S), d_dy(over_dy.data(), N, C, S), d_x(over_x.data(), N, C, S);
+      bn.backward(ConstMap(xv.data(), N, C, S), ConstMap(gv.data(), N, C, S), &d, nullptr, nullptr, &st);
+      bn.backward(ConstMap(xv.data(), N, C, S), ConstMap(over_dy.data(), N, C, S), &d_dy, nullptr, nullptr, &st);
+      bn.backward(ConstMap(over_x.data(), N, C, S), ConstMap(gv.data(), N, C, S), &d_x, nullptr, nullptr, &st);
+      EXPECT_EQ(std::memcmp(dx.data(), over_dy.data(), n * sizeof(T)), 0) << "dx over dy";
+      EXPECT_EQ(std::memcmp(dx.data(), over_x.data(), n * sizeof(T)), 0) << "dx over x";
+    }
+  }
+}
+
 // Empty tensors go through backward without touching memory: a zero-size
 // spatial dim (RowMajor), and N = 0 in ColMajor storage, where the
 // contiguous run per channel is the batch itself.

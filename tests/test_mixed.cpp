@@ -119,17 +119,18 @@ TEST(Mixed, BatchNormBFloat16IsTheFloatPathRoundedOnce) {
 // packet or a block at a time (BatchNorm::normalize_blocks): the float path
 // on the widened input, rounded once, bit for bit, on every kernel of it.
 // NCHW maps of 1 (rank 2: channels last), 3 (smaller than a packet; with
-// 300 samples, two chunks of them), 20 and 49 (short, with a tail), 32
-// (whole packets), 196 (long enough for the per-segment normalize) and
-// 3000 values (more than a block; maps of 20 with 300 channels: blocks
+// 300 samples, two chunks of them), 20 and 49 (with a tail: the kernel's
+// overlapping tail, or in place the blocks), 32 (whole packets), 196
+// (with a tail of 4: overlapping, or in place padded) and 3000 values
+// (more than a block; maps of 20 with 300 channels: blocks, in place,
 // that start mid-sample); channels last with 5, 37 (2000 rows:
 // on 3 threads, chunks of rows) and 3000 channels (a row longer than a
 // block); the training forward, then the forward with running statistics
 // (pivots), then with fresh running statistics (every pivot +0); 1 and 3
-// threads. And the backward (BatchNorm::channel_sums, dx16_part: x, dy and
-// dx read and written as stored) after the training forward and with
-// running statistics, with dy apart from x, without dx, and in place over
-// dy.
+// threads, each also in place (y over x). And the backward
+// (BatchNorm::channel_sums, dx16_part: x, dy and dx read and written as
+// stored) after the training forward and with running statistics, with dy
+// apart from x, without dx, and in place over dy and over x.
 template <typename S>
 void check_batch_norm_16bit_forward() {
   const std::tuple<Index, Index, Index, int> shapes[] = {  // N, C, inner (0: rank 2), channel axis
@@ -189,20 +190,28 @@ void check_batch_norm_16bit_forward() {
               << what << ", shape " << N << "x" << C << "x" << inner << " axis " << axis << ", " << threads
               << " threads, value " << i;
       };
+      // And the same forward in place (y over x: the kernels' padded tails
+      // instead of overlapping ones), on a copy of the layer.
       const auto run = [&](normcore::BatchNorm<S>& a, normcore::BatchNorm<float>& b, const char* what) {
+        normcore::BatchNorm<S> twin = a;
+        std::vector<S> over = xs;
         with_maps([&](auto x, auto xf, auto y, auto yf) {
           a.forward(dev, x, y);
           b.forward(xf, yf);
+          twin.forward(dev, decltype(x)(over.data(), x.dimensions()), decltype(y)(over.data(), y.dimensions()));
         });
         check_rounded(what);
         EXPECT_TRUE(bit_equal(a.running_var().data(), b.running_var().data(), static_cast<std::size_t>(C)));
+        for (Index i = 0; i < count; ++i)
+          ASSERT_EQ(bits_of(over[static_cast<std::size_t>(i)]), bits_of(y16[static_cast<std::size_t>(i)]))
+              << what << " in place, value " << i;
       };
       // The backward: dx (in y16 and y32) against the float layer's on the
       // widened inputs, rounded once; dweight and dbias rounded once.
       const auto backward = [&](normcore::BatchNorm<S>& a, normcore::BatchNorm<float>& b, const char* what) {
         Eigen::Tensor<S, 1> dw16, db16, dw16b;
         Eigen::Tensor<float, 1> dw32, db32;
-        std::vector<S> in_place = dys;
+        std::vector<S> in_place = dys, x_place(xs.size());
         with_maps([&](auto x, auto xf, auto dx, auto dxf) {
           const decltype(x) dy(dys.data(), x.dimensions());
           const decltype(xf) dyf(dyw.data(), xf.dimensions());
@@ -212,11 +221,18 @@ void check_batch_norm_16bit_forward() {
           const decltype(x) dy_over(in_place.data(), x.dimensions());  // dx over dy
           decltype(dx) over(in_place.data(), dx.dimensions());
           a.backward(dev, x, dy_over, &over, nullptr, nullptr);
+          std::copy(xs.begin(), xs.end(), x_place.begin());  // dx over x
+          const decltype(x) x_over(x_place.data(), x.dimensions());
+          decltype(dx) over_x(x_place.data(), dx.dimensions());
+          a.backward(dev, x_over, dy, &over_x, nullptr, nullptr);
         });
         check_rounded(what);
-        for (Index i = 0; i < count; ++i)
+        for (Index i = 0; i < count; ++i) {
           ASSERT_EQ(bits_of(in_place[static_cast<std::size_t>(i)]), bits_of(y16[static_cast<std::size_t>(i)]))
-              << what << " in place, value " << i;
+              << what << " over dy, value " << i;
+          ASSERT_EQ(bits_of(x_place[static_cast<std::size_t>(i)]), bits_of(y16[static_cast<std::size_t>(i)]))
+              << what << " over x, value " << i;
+        }
         for (Index c = 0; c < C; ++c) {
           ASSERT_EQ(bits_of(dw16(c)), bits_of(static_cast<S>(dw32(c)))) << what << ", channel " << c;
           ASSERT_EQ(bits_of(db16(c)), bits_of(static_cast<S>(db32(c)))) << what << ", channel " << c;
@@ -236,7 +252,8 @@ void check_batch_norm_16bit_forward() {
 
 // NaNs keep their payloads and signs through the 16-bit BatchNorm as
 // through the float layer rounded once, wherever they fall (bodies and
-// padded tails of rows and segments, blocks and their tails): in eval, where
+// overlapping tails of rows and segments; in place, padded tails and
+// blocks and their tails): in eval, where
 // every output has a single NaN source (x's or dy's value), so that its
 // bits are defined. (In training a NaN spreads through its channel's
 // statistics, and an operation may meet two NaNs, where which one it keeps
@@ -282,6 +299,14 @@ void check_batch_norm_nan_payloads() {
     M32 dx32m(dx32.data(), d);
     b16.backward(C16(xs.data(), d), C16(dys.data(), d), &dx16m, nullptr, nullptr);
     b32.backward(C32(xw.data(), d), C32(dyw.data(), d), &dx32m, nullptr, nullptr);
+    std::vector<S> y_over = xs, dx_over = dys;  // in place: y over x, dx over dy
+    b16.forward(C16(y_over.data(), d), M16(y_over.data(), d));
+    M16 dx_over_m(dx_over.data(), d);
+    b16.backward(C16(xs.data(), d), C16(dx_over.data(), d), &dx_over_m, nullptr, nullptr);
+    for (std::size_t i = 0; i < n; ++i) {
+      ASSERT_EQ(bits_of(y_over[i]), bits_of(y16[i])) << "y in place, value " << i;
+      ASSERT_EQ(bits_of(dx_over[i]), bits_of(dx16[i])) << "dx in place, value " << i;
+    }
     for (const auto& out : {std::make_pair(&y16, &y32), std::make_pair(&dx16, &dx32)}) {
       normcore::detail::convert_n(out.second->data(), want.data(), count);
       for (std::size_t i = 0; i < n; ++i)
