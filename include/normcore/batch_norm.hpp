@@ -664,12 +664,7 @@ class BatchNorm {
       static_assert(detail::tensor_traits<Y>::writable, "normcore: the output must be writable");
       const View v = view_of(x);
       detail::check_same_shape(kWho, "output", x, y);
-      std::vector<detail::NormCoeffs<T>> k;
-      if (!uses_batch_stats()) {  // running statistics: x is read by the normalize alone, a block at a time
-        if (forward_coeffs(device, x.data(), v, saved, k)) normalize_blocks(device, x.data(), y.data(), v, k);
-        return;
-      }
-      if (!reducer_ && fused_forward_group(device, v) > 0) {  // (Intel CPUs) through whole float copies
+      if (uses_batch_stats() && !reducer_ && fused_forward_group(device, v) > 0) {  // (Intel CPUs) through whole float copies
         const bool in_arena = detail::copies_fit_scratch(x, 2);
         const detail::FloatCopy<X> xf(x, true, in_arena);
         detail::FloatCopy<X> yf(x, false, in_arena);
@@ -677,7 +672,9 @@ class BatchNorm {
         detail::convert_n(yf.map().data(), y.data(), x.size());
         return;
       }
-      // The batch statistics read x as it is stored (channel_moments16).
+      // The batch statistics (channel_moments16) and the normalize read x as
+      // it is stored, a block at a time.
+      std::vector<detail::NormCoeffs<T>> k;
       if (forward_coeffs(device, x.data(), v, saved, k)) normalize_blocks(device, x.data(), y.data(), v, k);
     } else {
       forward_float(device, x, y, saved);
@@ -935,8 +932,7 @@ class BatchNorm {
     return std::any_of(piv.begin(), piv.end(), [](T p) { return p != T(0) || std::signbit(p); });
   }
 
-  // normalize into 16-bit y (D) from x stored as S (16-bit; the code also
-  // takes S = T, a float x). No float copy of x or y is made. Channels-last
+  // normalize into 16-bit y (D) from 16-bit x (S). No float copy of x or y is made. Channels-last
   // rows, and channels-first segments of at least one packet when y is
   // apart from x (else of at least kFusedSegmentPackets packets, or of
   // whole packets), go through normalize16_rows and normalize16_segments
@@ -970,7 +966,6 @@ class BatchNorm {
     channels_constants(k.data(), C, piv.data(), sc.data(), bs.data());
     const bool pivots = any_pivot(piv);
     const detail::Split split = segment_split(device, v);
-    constexpr bool widen = !std::is_same<S, T>::value;
     // Values a block holds: at least one whole row, channels last.
     const Index block = std::max(kNormalizeBlock, v.inner == 1 ? C : Index(0));
     const Index total = v.outer * C * v.inner;
@@ -991,51 +986,56 @@ class BatchNorm {
           return;
         }
       }
-      detail::Scratch<T> buf(static_cast<std::size_t>((widen ? 2 : 1) * block), false);
+      detail::Scratch<T> buf(static_cast<std::size_t>(2 * block), false);
       T* const yb = buf.data();
-      // Values [first, first + count) of x and y, segments [0, segs) of the
-      // view bv, its first channel c.
-      const auto run = [&](Index first, Index count, const View& bv, Index segs, Index c) {
-        const T* xb;
-        if constexpr (widen) {
-          detail::convert_n(x + first, yb + block, count);
-          xb = yb + block;
-        } else {
-          xb = x + first;
-        }
+      T* const xb = yb + block;
+      for_blocks(v, s0, s1, block, [&](Index first, Index count, const View& bv, Index c) {
+        detail::convert_n(x + first, xb, count);
+        const Index segs = bv.inner == 1 ? bv.outer : bv.C;
         normalize_part<false>(xb, yb, bv, 0, segs, piv.data() + c, sc.data() + c, bs.data() + c, pivots);
         detail::convert_n(static_cast<const T*>(yb), y + first, count);
-      };
-      if (v.inner == 1) {  // segments are rows of C values
-        const Index rows = std::max<Index>(1, block / C);
-        for (Index r = s0; r < s1; r += rows) {
-          const Index m = std::min(rows, s1 - r);
-          run(r * C, m * C, View{m, C, 1, {}}, m, 0);
-        }
-        return;
-      }
-      const Index inner = v.inner;
-      for (Index sg = s0; sg < s1;) {
-        const Index c = sg % C;
-        if (inner > block) {  // a segment in pieces, each a one-segment view of its own length
-          for (Index i = 0; i < inner; i += block) {
-            const Index len = std::min(block, inner - i);
-            run(sg * inner + i, len, View{1, 1, len, {}}, 1, c);
-          }
-          ++sg;
-          continue;
-        }
-        const Index segs = std::min({s1 - sg, C - c, block / inner});  // within one sample
-        run(sg * inner, segs * inner, View{1, segs, inner, {}}, segs, c);
-        sg += segs;
-      }
+      });
     });
+  }
+
+  // Segments [s0, s1) of v (channels last: rows) in blocks of about `block`
+  // values (block >= C channels last: whole rows), for the 16-bit paths'
+  // float buffers: f(first, count, bv, c) for values [first, first + count)
+  // of the tensor, bv the block as a view of its own and c its first
+  // channel: m rows of C values; a piece of one segment longer than a block
+  // (one segment of the piece's length); or a run of one sample's
+  // segments.
+  template <typename F>
+  static void for_blocks(const View& v, Index s0, Index s1, Index block, F&& f) {
+    const Index C = v.C, inner = v.inner;
+    if (inner == 1) {
+      const Index rows = std::max<Index>(1, block / C);
+      for (Index r = s0; r < s1; r += rows) {
+        const Index m = std::min(rows, s1 - r);
+        f(r * C, m * C, View{m, C, 1, {}}, Index(0));
+      }
+      return;
+    }
+    for (Index sg = s0; sg < s1;) {
+      const Index c = sg % C;
+      if (inner > block) {
+        for (Index i = 0; i < inner; i += block) {
+          const Index len = std::min(block, inner - i);
+          f(sg * inner + i, len, View{1, 1, len, {}}, c);
+        }
+        ++sg;
+        continue;
+      }
+      const Index segs = std::min({s1 - sg, C - c, block / inner});  // within one sample
+      f(sg * inner, segs * inner, View{1, segs, inner, {}}, c);
+      sg += segs;
+    }
   }
 
   // normalize_blocks' kernels for channels-last rows and channels-first
   // segments (see there), in builds that convert whole packets
   // (detail::packet_io): one pass, each packet of x widened as it is
-  // loaded (S: 16-bit, or float) and rounded once into y (D) as it is
+  // loaded and rounded once into y (D) as it is
   // stored. A row's or segment's last C mod L (inner mod L) values go
   // through one more packet, so that they are computed and rounded as the
   // body is (detail::convert_n's tail does the same): the same bits as
@@ -1059,20 +1059,17 @@ class BatchNorm {
     for (Index o = o0; o < o1; ++o) {
       const S* xr = x + o * C;
       D* yr = y + o * C;
-      for (Index c = 0; c < full; c += L) {
+      const auto packet = [&](Index c) {
         const Packet v = detail::load_widened<Packet>(xr + c);
         detail::store_narrowed(yr + c, pmadd(Pivot ? psub(v, ploadu<Packet>(piv + c)) : v, ploadu<Packet>(sc + c),
                                              ploadu<Packet>(bs + c)));
-      }
+      };
+      for (Index c = 0; c < full; c += L) packet(c);
       if (full == C) continue;
-      if (apart && C >= L) {  // the row's last L values
-        const Index c = C - L;
-        const Packet v = detail::load_widened<Packet>(xr + c);
-        detail::store_narrowed(yr + c, pmadd(Pivot ? psub(v, ploadu<Packet>(piv + c)) : v, ploadu<Packet>(sc + c),
-                                             ploadu<Packet>(bs + c)));
-      } else {
+      if (apart && C >= L)
+        packet(C - L);  // the row's last L values
+      else
         normalize16_tail(xr + full, yr + full, C - full, piv + full, sc + full, bs + full, 1);
-      }
     }
   }
   template <typename S, typename D>
@@ -1087,11 +1084,13 @@ class BatchNorm {
       const S* xs = x + sg * inner;
       D* ys = y + sg * inner;
       const Packet pp = pset1<Packet>(piv[cc]), ps = pset1<Packet>(sc[cc]), pb = pset1<Packet>(bs[cc]);
-      for (Index i = 0; i < full; i += L)
+      const auto packet = [&](Index i) {
         detail::store_narrowed(ys + i, pmadd(psub(detail::load_widened<Packet>(xs + i), pp), ps, pb));
+      };
+      for (Index i = 0; i < full; i += L) packet(i);
       if (full < inner) {
-        if (apart)  // the segment's last L values (inner >= L here)
-          detail::store_narrowed(ys + inner - L, pmadd(psub(detail::load_widened<Packet>(xs + inner - L), pp), ps, pb));
+        if (apart)
+          packet(inner - L);  // the segment's last L values (inner >= L here)
         else
           normalize16_tail(xs + full, ys + full, inner - full, piv + cc, sc + cc, bs + cc, 0);
       }
@@ -1952,42 +1951,20 @@ class BatchNorm {
     detail::Scratch<T> buf(static_cast<std::size_t>(2 * block), false);
     T* const xb = buf.data();
     T* const gb = xb + block;
-    // Values [first, first + count), channel c first: f(q) computes their
-    // dx over dy's buffer (in place, as dx_values allows).
-    const auto run = [&](Index first, Index count, Index c, auto&& f) {
+    // Each block's dx over dy's buffer (in place, as the kernels allow).
+    for_blocks(v, s0, s1, block, [&](Index first, Index count, const View& bv, Index c) {
       detail::convert_n(x + first, xb, count);
       detail::convert_n(dy + first, gb, count);
-      f(DxArgs{xb, gb, gb, k.piv + c, k.rs + c, k.xs + c, k.k3 + c, k.k4 + c, k.a + c});
+      const DxArgs q{xb, gb, gb, k.piv + c, k.rs + c, k.xs + c, k.k3 + c, k.k4 + c, k.a + c};
+      if (bv.inner == 1) {
+        dx_rows<false>(q, bv.C, 0, bv.outer);
+      } else if (bv.inner < L) {
+        dx_small_maps(q, bv.inner, bv.C, 0, bv.C);
+      } else {
+        for (Index j = 0; j < bv.C; ++j) dx_values<false>(q, j * bv.inner, bv.inner, j);
+      }
       detail::convert_n(static_cast<const T*>(gb), dx + first, count);
-    };
-    if (inner == 1) {
-      const Index rows = std::max<Index>(1, block / C);
-      for (Index r = s0; r < s1; r += rows) {
-        const Index m = std::min(rows, s1 - r);
-        run(r * C, m * C, 0, [&](const DxArgs& q) { dx_rows<false>(q, C, 0, m); });
-      }
-      return;
-    }
-    for (Index sg = s0; sg < s1;) {
-      const Index c = sg % C;
-      if (inner > block) {  // a segment in pieces
-        for (Index i = 0; i < inner; i += block) {
-          const Index len = std::min(block, inner - i);
-          run(sg * inner + i, len, c, [&](const DxArgs& q) { dx_values<false>(q, 0, len, 0); });
-        }
-        ++sg;
-        continue;
-      }
-      const Index segs = std::min({s1 - sg, C - c, block / inner});  // within one sample
-      run(sg * inner, segs * inner, c, [&](const DxArgs& q) {
-        if (inner < L) {
-          dx_small_maps(q, inner, segs, 0, segs);
-        } else {
-          for (Index j = 0; j < segs; ++j) dx_values<false>(q, j * inner, inner, j);
-        }
-      });
-      sg += segs;
-    }
+    });
   }
 
   // dx16_part's one-pass kernels: each packet of x and dy widened as it is
