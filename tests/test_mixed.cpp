@@ -121,7 +121,7 @@ TEST(Mixed, BatchNormBFloat16IsTheFloatPathRoundedOnce) {
 }
 
 // The 16-bit forward reads x as it is stored, its statistics a block at a
-// time widened (BatchNorm::channel_moments16), its normalize one pass per
+// time widened (BatchNorm::channel_moments), its normalize one pass per
 // packet or a block at a time (BatchNorm::normalize_blocks): the float path
 // on the widened input, rounded once, bit for bit, on every kernel of it.
 // NCHW maps of 1 (rank 2: channels last), 3 (smaller than a packet; with

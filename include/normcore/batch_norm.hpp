@@ -383,9 +383,62 @@ class BatchNorm {
     }
   }
 
-  // Per-channel Welford states (pivot-shifted by the channel's first value).
-  template <typename Device>
-  void channel_moments(const Device& device, const T* x, const View& v, std::vector<T>& pivot,
+  // Values of x stored as S, as T, for the statistics: x itself where S is
+  // T; 16-bit values widened into buf (widen_count(n) values, none where S
+  // is T). span_as: the n values from p. rows_as: m rows of wd values,
+  // `stride` apart, from p; *out_stride receives the returned rows' stride
+  // (stride, or wd: widened rows are packed).
+  template <typename S>
+  static std::size_t widen_count(Index n) {
+    return std::is_same<S, T>::value ? 0 : static_cast<std::size_t>(n);
+  }
+  template <typename S>
+  static const T* span_as(const S* p, Index n, T* buf) {
+    if constexpr (std::is_same<S, T>::value) {
+      (void)n;
+      (void)buf;
+      return p;
+    } else {
+      detail::convert_n(p, buf, n);
+      return buf;
+    }
+  }
+  template <typename S>
+  static const T* rows_as(const S* p, Index m, Index wd, Index stride, T* buf, Index* out_stride) {
+    if constexpr (std::is_same<S, T>::value) {
+      (void)m;
+      (void)wd;
+      (void)buf;
+      *out_stride = stride;
+      return p;
+    } else {
+      *out_stride = wd;
+      if (stride == wd) return span_as(p, m * wd, buf);
+      for (Index i = 0; i < m; ++i) detail::convert_n(p + i * stride, buf + i * wd, wd);
+      return buf;
+    }
+  }
+  // Lane c of a chunk's lane states (lane_chunks' flush) as a Welford state.
+  static Welford<double> lane_state(Index rows, const T* mean, const T* m2, Index c) {
+    return Welford<double>(static_cast<double>(rows), static_cast<double>(mean[c]), static_cast<double>(m2[c]));
+  }
+
+  // Per-channel Welford states (pivot-shifted by the channel's first
+  // value) of x stored as T, or as a 16-bit S (T float). 16-bit values are
+  // read a block at a time and widened into float (span_as, rows_as), never
+  // as a float copy of x: every kernel gets the same values, in the same
+  // groups and order, as from a float copy, so the same bits. Channels last,
+  // a chunk of kChunk rows at a time (lane_chunks' chunks; on several
+  // threads row_chunks' chunks); channels first, see channels_first_moments.
+  // With normalize_blocks, the 16-bit training forward makes no float copy.
+  // Measured on the Zen 4 guest (bfloat16, NCHW, 1 thread, glibc's default
+  // malloc settings), against float copies of x and y: 2.3 ms instead of
+  // 33.8 ms at 32x64x56x56 (the float forward 3.0 ms), 6.7 ms instead of 66
+  // ms at 256x256x14x14 (float 10.7 ms), 0.89 ms instead of 1.99 ms at
+  // 64x512x7x7 (float 0.79 ms), 0.43 ms instead of 1.45 ms at 8x64x56x56
+  // (float 0.47 ms).
+  template <typename Device, typename S>
+  void channel_moments(const Device& device, const S* x, const View& v, std::vector<T>& pivot,
                        std::vector<Welford<double>>& w) const {
     const Index C = v.C;
     pivot.resize(static_cast<std::size_t>(C));
@@ -394,78 +447,21 @@ class BatchNorm {
       std::fill(pivot.begin(), pivot.end(), T(0));
       return;
     }
-    for (Index c = 0; c < C; ++c) pivot[static_cast<std::size_t>(c)] = x[c * v.inner];
+    for (Index c = 0; c < C; ++c) pivot[static_cast<std::size_t>(c)] = static_cast<T>(x[c * v.inner]);
     if (rows_split(device, v)) {
       // Channels last on several threads: whole chunks of rows per thread,
-      // each chunk's states kept and merged in chunk order, as lane_moments
-      // merges them (so the same bits as one thread).
+      // each chunk's states kept and merged in chunk order, as on one thread
+      // (so the same bits).
       row_chunks<Welford<double>>(device, v, C, [&](Index k0, Index k1, Welford<double>* out) {
-        const Index r0 = k0 * detail::kChunk, r1 = std::min(v.outer, k1 * detail::kChunk);
-        detail::lane_chunks(x + r0 * C, C, r1 - r0, C, pivot.data(),
-                            [&](Index k, Index rows, const T* mean, const T* m2) {
-                              Welford<double>* o = out + k * C;
-                              for (Index c = 0; c < C; ++c)
-                                o[c] = Welford<double>(static_cast<double>(rows), static_cast<double>(mean[c]),
-                                                       static_cast<double>(m2[c]));
-                            });
-      }, [&](const Welford<double>* chunk) {
-        for (Index c = 0; c < C; ++c) w[static_cast<std::size_t>(c)].merge(chunk[c]);
-      });
-    } else {
-      const detail::Split split = channel_split(device, v);
-      detail::run_parts(device, split.parts, [&](Index p) {
-        const Index c0 = split.begin(p), c1 = split.begin(p + 1);
-        if (v.inner == 1) {  // channels-last: rows of C values, one lane per channel
-          lane_moments(x + c0, C, v.outer, c1 - c0, pivot.data() + c0, w.data() + c0);
-          return;
-        }
-        channels_first_moments(x, v, pivot.data(), w.data(), c0, c1);
-      });
-    }
-    for (Index c = 0; c < C; ++c) exact_if_needed(x, v, pivot.data(), w.data(), c);
-  }
-
-  // channel_moments of x stored as a 16-bit S, read a block at a time and
-  // widened into float, without a float copy of x: every kernel gets the
-  // same values, in the same groups and order, as from a float copy, so the
-  // same bits. Channels last, chunks of kChunk rows (the chunks lane_chunks
-  // takes; on several threads row_chunks' chunks); channels first, one
-  // sample's segments of the part's channels at a time (merged in order of
-  // o, as channels_first_moments merges them; long segments one at a
-  // time), or on maps smaller than a packet a chunk of samples of a tile of
-  // channels at a time. With normalize_blocks, the 16-bit training forward
-  // makes no float copy. Measured on the Zen 4 guest (bfloat16, NCHW, 1
-  // thread, glibc's default malloc settings), against float copies of x
-  // and y: 2.3 ms instead of 33.8 ms at 32x64x56x56 (the float forward 3.0
-  // ms), 6.7 ms instead of 66 ms at 256x256x14x14 (float 10.7 ms), 0.89 ms
-  // instead of 1.99 ms at 64x512x7x7 (float 0.79 ms), 0.43 ms instead of
-  // 1.45 ms at 8x64x56x56 (float 0.47 ms).
-  template <typename Device, typename S>
-  void channel_moments16(const Device& device, const S* x, const View& v, std::vector<T>& pivot,
-                         std::vector<Welford<double>>& w) const {
-    const Index C = v.C;
-    pivot.resize(static_cast<std::size_t>(C));
-    w.assign(static_cast<std::size_t>(C), Welford<double>());
-    if (v.outer * v.inner == 0) {
-      std::fill(pivot.begin(), pivot.end(), T(0));
-      return;
-    }
-    for (Index c = 0; c < C; ++c) pivot[static_cast<std::size_t>(c)] = static_cast<T>(x[c * v.inner]);
-    // Chunk states into Welford states (merged, or written to out).
-    const auto states = [](Index rows, const T* mean, const T* m2, Index c) {
-      return Welford<double>(static_cast<double>(rows), static_cast<double>(mean[c]), static_cast<double>(m2[c]));
-    };
-    if (rows_split(device, v)) {
-      row_chunks<Welford<double>>(device, v, C, [&](Index k0, Index k1, Welford<double>* out) {
-        detail::Scratch<T> buf(static_cast<std::size_t>(detail::kChunk * C), false);
+        detail::Scratch<T> buf(widen_count<S>(detail::kChunk * C), false);
         for (Index k = k0; k < k1; ++k) {
-          const Index r0 = k * detail::kChunk, r1 = std::min(v.outer, r0 + detail::kChunk);
-          detail::convert_n(x + r0 * C, buf.data(), (r1 - r0) * C);
+          const Index r0 = k * detail::kChunk, m = std::min<Index>(detail::kChunk, v.outer - r0);
+          Index stride = 0;
+          const T* rows = rows_as(x + r0 * C, m, C, C, buf.data(), &stride);
           Welford<double>* o = out + (k - k0) * C;
-          detail::lane_chunks(static_cast<const T*>(buf.data()), C, r1 - r0, C, pivot.data(),
-                              [&](Index, Index rows, const T* mean, const T* m2) {
-                                for (Index c = 0; c < C; ++c) o[c] = states(rows, mean, m2, c);
-                              });
+          detail::lane_chunks(rows, stride, m, C, pivot.data(), [&](Index, Index n, const T* mean, const T* m2) {
+            for (Index c = 0; c < C; ++c) o[c] = lane_state(n, mean, m2, c);
+          });
         }
       }, [&](const Welford<double>* chunk) {
         for (Index c = 0; c < C; ++c) w[static_cast<std::size_t>(c)].merge(chunk[c]);
@@ -474,126 +470,93 @@ class BatchNorm {
       const detail::Split split = channel_split(device, v);
       detail::run_parts(device, split.parts, [&](Index p) {
         const Index c0 = split.begin(p), c1 = split.begin(p + 1), wd = c1 - c0;
-        if (v.inner == 1) {  // lane_moments' chunks of rows, widened
-          detail::Scratch<T> buf(static_cast<std::size_t>(detail::kChunk * wd), false);
+        if (v.inner == 1) {  // channels-last: rows of C values, one lane per channel
+          detail::Scratch<T> buf(widen_count<S>(detail::kChunk * wd), false);
           for (Index r0 = 0; r0 < v.outer; r0 += detail::kChunk) {
             const Index m = std::min<Index>(detail::kChunk, v.outer - r0);
-            for (Index i = 0; i < m; ++i) detail::convert_n(x + (r0 + i) * C + c0, buf.data() + i * wd, wd);
-            detail::lane_chunks(static_cast<const T*>(buf.data()), wd, m, wd, pivot.data() + c0,
-                                [&](Index, Index rows, const T* mean, const T* m2) {
-                                  for (Index c = 0; c < wd; ++c) w[static_cast<std::size_t>(c0 + c)].merge(states(rows, mean, m2, c));
+            Index stride = 0;
+            const T* rows = rows_as(x + r0 * C + c0, m, wd, C, buf.data(), &stride);
+            detail::lane_chunks(rows, stride, m, wd, pivot.data() + c0,
+                                [&](Index, Index n, const T* mean, const T* m2) {
+                                  for (Index c = 0; c < wd; ++c)
+                                    w[static_cast<std::size_t>(c0 + c)].merge(lane_state(n, mean, m2, c));
                                 });
           }
           return;
         }
-        channels_first_moments16(x, v, pivot.data(), w.data(), c0, c1);
+        channels_first_moments(x, v, pivot.data(), w.data(), c0, c1);
       });
     }
     for (Index c = 0; c < C; ++c) exact_if_needed(x, v, pivot.data(), w.data(), c);
   }
-  // channels_first_moments of 16-bit values (see channel_moments16).
-  template <typename S>
-  static void channels_first_moments16(const S* x, const View& v, const T* pivot, Welford<double>* w, Index c0,
-                                       Index c1) {
-    const Index C = v.C, inner = v.inner;
-    if (inner > 1 && inner < detail::simd<T>::L) {  // small_map_moments, a chunk of samples at a time
-      const Index ct = std::max<Index>(1, kSmallMapTile / inner);
-      std::vector<T> piv(static_cast<std::size_t>(ct * inner));
-      std::vector<Welford<double>> lane(static_cast<std::size_t>(ct * inner));
-      detail::Scratch<T> buf(static_cast<std::size_t>(detail::kChunk * ct * inner), false);
-      for (Index t0 = c0; t0 < c1; t0 += ct) {
-        const Index t1 = std::min(c1, t0 + ct), tw = (t1 - t0) * inner;
-        for (Index c = t0; c < t1; ++c) std::fill_n(piv.begin() + (c - t0) * inner, inner, pivot[c]);
-        std::fill(lane.begin(), lane.end(), Welford<double>());
-        for (Index o0 = 0; o0 < v.outer; o0 += detail::kChunk) {
-          const Index m = std::min<Index>(detail::kChunk, v.outer - o0);
-          for (Index i = 0; i < m; ++i) detail::convert_n(x + ((o0 + i) * C + t0) * inner, buf.data() + i * tw, tw);
-          detail::lane_chunks(static_cast<const T*>(buf.data()), tw, m, tw, piv.data(),
-                              [&](Index, Index rows, const T* mean, const T* m2) {
-                                for (Index j = 0; j < tw; ++j)
-                                  lane[static_cast<std::size_t>(j)].merge(Welford<double>(
-                                      static_cast<double>(rows), static_cast<double>(mean[j]), static_cast<double>(m2[j])));
-                              });
-        }
-        for (Index c = t0; c < t1; ++c) {
-          Welford<double> s;
-          for (Index i = 0; i < inner; ++i) s.merge(lane[static_cast<std::size_t>((c - t0) * inner + i)]);
-          w[c].merge(s);
-        }
-      }
-      return;
-    }
-    if (inner >= detail::kShortRowPackets * detail::simd<T>::L) {  // long segments: one at a time
-      detail::Scratch<T> seg(static_cast<std::size_t>(inner), false);
-      for (Index o = 0; o < v.outer; ++o)
-        for (Index c = c0; c < c1; ++c) {
-          detail::convert_n(x + (o * C + c) * inner, seg.data(), inner);
-          w[c].merge(row_moments(static_cast<const T*>(seg.data()), inner, pivot[c]));
-        }
-      return;
-    }
-    // Short segments: one sample's segments of channels [c0, c1) widened
-    // (rows_moments takes them as one group of rows), then
-    // channels_first_moments on them as a one-sample view.
-    detail::Scratch<T> buf(static_cast<std::size_t>((c1 - c0) * inner), false);
-    std::vector<T> piv(pivot + c0, pivot + c1);
-    const View one{1, c1 - c0, inner, {}};
-    for (Index o = 0; o < v.outer; ++o) {
-      detail::convert_n(x + (o * C + c0) * inner, buf.data(), (c1 - c0) * inner);
-      channels_first_moments(buf.data(), one, piv.data(), w + c0, 0, c1 - c0);
-    }
-  }
 
-  // Channels [c0, c1) of a channels-first tensor (inner > 1): each
-  // channel's segments merged into w[c] in order of o, shifted by pivot[c].
-  static void channels_first_moments(const T* x, const View& v, const T* pivot, Welford<double>* w, Index c0,
+  // Channels [c0, c1) of a channels-first tensor (inner > 1) stored as S:
+  // each channel's segments merged into w[c] in order of o, shifted by
+  // pivot[c]. 16-bit values are widened a sample's segments at a time
+  // (short segments), a segment at a time (long ones) or a chunk of samples
+  // of a tile of channels at a time (small_map_moments).
+  template <typename S>
+  static void channels_first_moments(const S* x, const View& v, const T* pivot, Welford<double>* w, Index c0,
                                      Index c1) {
-    const Index C = v.C;
-    if (v.inner > 1 && v.inner < detail::simd<T>::L) {
+    const Index C = v.C, inner = v.inner;
+    if (inner > 1 && inner < detail::simd<T>::L) {
       small_map_moments(x, v, pivot, w, c0, c1);
       return;
     }
-    if (v.inner < detail::kShortRowPackets * detail::simd<T>::L) {
+    if (inner < detail::kShortRowPackets * detail::simd<T>::L) {
       // Short segments (e.g. 7x7): the segments (o, c0..c1) lie side by
       // side and go through the grouped short-row kernel as rows, each
       // shifted by its own first value; each is then moved to its
       // channel's pivot (in double) and merged in order of o.
+      detail::Scratch<T> buf(widen_count<S>((c1 - c0) * inner), false);
       std::vector<Welford<double>> seg(static_cast<std::size_t>(c1 - c0));
       for (Index o = 0; o < v.outer; ++o) {
-        const T* first = x + (o * C + c0) * v.inner;
-        rows_moments(first, v.inner, v.inner, c1 - c0, seg.data());
+        const T* first = span_as(x + (o * C + c0) * inner, (c1 - c0) * inner, buf.data());
+        rows_moments(first, inner, inner, c1 - c0, seg.data());
         for (Index c = c0; c < c1; ++c) {
           const auto& sc = seg[static_cast<std::size_t>(c - c0)];
-          const double shift = static_cast<double>(first[(c - c0) * v.inner]) - static_cast<double>(pivot[c]);
+          const double shift = static_cast<double>(first[(c - c0) * inner]) - static_cast<double>(pivot[c]);
           w[c].merge(Welford<double>(sc.count(), sc.mean() + shift, sc.m2()));
         }
       }
       return;
     }
+    detail::Scratch<T> buf(widen_count<S>(inner), false);
     for (Index o = 0; o < v.outer; ++o)
-      for (Index c = c0; c < c1; ++c) w[c].merge(row_moments(x + (o * C + c) * v.inner, v.inner, pivot[c]));
+      for (Index c = c0; c < c1; ++c)
+        w[c].merge(row_moments(span_as(x + (o * C + c) * inner, inner, buf.data()), inner, pivot[c]));
   }
 
   // channels_first_moments for maps smaller than a packet (1 < inner < L;
   // with AVX-512, 2x2 to 3x5 floats): too short for the short-row kernel's
   // packets, each segment's moments then cost a merge in double of their
   // own. Instead each position (c, i) of a tile of channels is a lane:
-  // lane_moments steps the tile's ct * inner lanes down the batch (stride
-  // C * inner), every lane shifted by its channel's pivot, and a channel's
-  // state is the merge of its inner lanes, in order of i. Each channel's
-  // arithmetic depends only on its own values and the batch size, so the
-  // same bits for any thread count (the threads split channels).
-  static void small_map_moments(const T* x, const View& v, const T* pivot, Welford<double>* w, Index c0,
+  // lane_chunks steps the tile's ct * inner lanes down the batch (stride
+  // C * inner), a chunk of samples at a time, every lane shifted by its
+  // channel's pivot, and a channel's state is the merge of its inner lanes,
+  // in order of i. Each channel's arithmetic depends only on its own values
+  // and the batch size, so the same bits for any thread count (the threads
+  // split channels).
+  template <typename S>
+  static void small_map_moments(const S* x, const View& v, const T* pivot, Welford<double>* w, Index c0,
                                 Index c1) {
     const Index inner = v.inner;
     const Index ct = std::max<Index>(1, kSmallMapTile / inner);
     std::vector<T> piv(static_cast<std::size_t>(ct * inner));
     std::vector<Welford<double>> lane(static_cast<std::size_t>(ct * inner));
+    detail::Scratch<T> buf(widen_count<S>(detail::kChunk * ct * inner), false);
     for (Index t0 = c0; t0 < c1; t0 += ct) {
-      const Index t1 = std::min(c1, t0 + ct);
-      for (Index c = t0; c < t1; ++c)
-        std::fill_n(piv.begin() + (c - t0) * inner, inner, pivot[c]);
-      lane_moments(x + t0 * inner, v.C * inner, v.outer, (t1 - t0) * inner, piv.data(), lane.data());
+      const Index t1 = std::min(c1, t0 + ct), tw = (t1 - t0) * inner;
+      for (Index c = t0; c < t1; ++c) std::fill_n(piv.begin() + (c - t0) * inner, inner, pivot[c]);
+      std::fill(lane.begin(), lane.end(), Welford<double>());
+      for (Index o0 = 0; o0 < v.outer; o0 += detail::kChunk) {
+        const Index m = std::min<Index>(detail::kChunk, v.outer - o0);
+        Index stride = 0;
+        const T* rows = rows_as(x + (o0 * v.C + t0) * inner, m, tw, v.C * inner, buf.data(), &stride);
+        detail::lane_chunks(rows, stride, m, tw, piv.data(), [&](Index, Index n, const T* mean, const T* m2) {
+          for (Index j = 0; j < tw; ++j) lane[static_cast<std::size_t>(j)].merge(lane_state(n, mean, m2, j));
+        });
+      }
       for (Index c = t0; c < t1; ++c) {
         Welford<double> s;
         for (Index i = 0; i < inner; ++i) s.merge(lane[static_cast<std::size_t>((c - t0) * inner + i)]);
@@ -637,11 +600,7 @@ class BatchNorm {
   template <typename Device, typename S>
   void batch_moments(const Device& device, const S* x, const View& v, std::vector<T>& pivot,
                      std::vector<Welford<double>>& w) const {
-    if constexpr (std::is_same<S, T>::value) {
-      channel_moments(device, x, v, pivot, w);
-    } else {
-      channel_moments16(device, x, v, pivot, w);
-    }
+    channel_moments(device, x, v, pivot, w);
     if (!reducer_) return;
     const Index C = v.C;
     for (Index c = 0; c < C; ++c) {
@@ -672,7 +631,7 @@ class BatchNorm {
         detail::convert_n(yf.map().data(), y.data(), x.size());
         return;
       }
-      // The batch statistics (channel_moments16) and the normalize read x as
+      // The batch statistics (channel_moments) and the normalize read x as
       // it is stored, a block at a time.
       std::vector<detail::NormCoeffs<T>> k;
       if (forward_coeffs(device, x.data(), v, saved, k)) normalize_blocks(device, x.data(), y.data(), v, k);
