@@ -339,7 +339,7 @@ class BatchNorm {
     constexpr int L = detail::simd<T>::L;
     const Index align = v.inner == 1 ? L : 1;
     const Index parts =
-        detail::parts_for(device, v.outer * v.C * v.inner, (v.C + align - 1) / align, detail::kPartsPerThread);
+        detail::parts_for(device, v.outer * v.C * v.inner, v.inner == 1 ? (v.C + L - 1) / L : v.C, detail::kPartsPerThread);
     return detail::Split{v.C, parts, align};
   }
   template <typename Device>
@@ -532,7 +532,8 @@ class BatchNorm {
   // packets, each segment's moments then cost a merge in double of their
   // own. Instead each position (c, i) of a tile of channels is a lane:
   // lane_chunks steps the tile's ct * inner lanes down the batch (stride
-  // C * inner), a chunk of samples at a time, every lane shifted by its
+  // C * inner; 16-bit values widened a chunk of samples at a time into a
+  // packed buffer), a chunk of samples at a time, every lane shifted by its
   // channel's pivot, and a channel's state is the merge of its inner lanes,
   // in order of i. Each channel's arithmetic depends only on its own values
   // and the batch size, so the same bits for any thread count (the threads

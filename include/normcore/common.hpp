@@ -72,12 +72,15 @@ void emit_block_sums(const std::vector<T>& sums, Eigen::Tensor<P, 1>& out) {
   for (std::size_t c = 0; c < sums.size(); ++c) o[c] = static_cast<P>(0.0 + static_cast<double>(sums[c]));
 }
 
+/// check_stats' error.
+[[noreturn]] NORMCORE_COLD inline void fail_stats(const char* who, const char* what, Index n, Index got) {
+  fail(std::string(who) + ": expected saved " + what + " of shape [" + std::to_string(n) + "], got [" +
+       std::to_string(got) + "]");
+}
+
 template <typename T>
 void check_stats(const char* who, const Eigen::Tensor<T, 1>& v, const char* what, Index n) {
-  if (v.dimension(0) != n) {
-    fail(std::string(who) + ": expected saved " + what + " of shape [" + std::to_string(n) +
-         "], got [" + std::to_string(v.dimension(0)) + "]");
-  }
+  if (v.dimension(0) != n) fail_stats(who, what, n, v.dimension(0));
 }
 
 /// Makes the output tensor of a functor forward: same dims and layout as x.

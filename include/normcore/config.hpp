@@ -69,6 +69,20 @@
 #endif
 #endif
 
+/// On the functions that build an error's message: out of line and laid
+/// out apart from the code of every call, so that the checks that call them
+/// stay small enough to be inlined (a one-row forward's shape checks were
+/// calls of their own in the bench suite's large translation unit). GCC
+/// and Clang; define NORMCORE_COLD before including normcore to override
+/// it.
+#ifndef NORMCORE_COLD
+#if defined(__clang__) || (defined(__GNUC__) && !defined(__INTEL_COMPILER))
+#define NORMCORE_COLD __attribute__((noinline, cold))
+#else
+#define NORMCORE_COLD
+#endif
+#endif
+
 #define NORMCORE_VERSION_MAJOR 0
 #define NORMCORE_VERSION_MINOR 1
 #define NORMCORE_VERSION_PATCH 0

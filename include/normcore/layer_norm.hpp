@@ -331,7 +331,9 @@ class LayerNorm {
     constexpr int L = detail::simd<T>::L;
     const Index n = xv.cols, rows = xv.rows;
     const Index align = xv.row_major ? 1 : L;
-    const Index parts = detail::row_parts_for(device, rows * n, (rows + align - 1) / align);
+    // (Units of rows without a division by a variable: a 64-bit idiv was a
+    // visible part of a one-row call.)
+    const Index parts = detail::row_parts_for(device, rows * n, xv.row_major ? rows : (rows + L - 1) / L);
     const detail::Split split{rows, parts, align};
     const bool large = detail::streaming_input<S, T>(rows, n);
     const bool streaming = large || intel_streaming<S>(rows, n) || mid_streaming<S>(rows, n);
@@ -1004,8 +1006,9 @@ class LayerNorm {
     // split between groups), at most kGroups: parameter gradients are summed
     // per group and the groups added in order, whatever the number of
     // threads.
-    const Index align = xv.row_major ? kRowBlock : Index(detail::kLanePackets) * L;
-    const Index units = (rows + align - 1) / align;
+    constexpr Index kLaneBlock = Index(detail::kLanePackets) * L;
+    const Index align = xv.row_major ? kRowBlock : kLaneBlock;
+    const Index units = xv.row_major ? (rows + kRowBlock - 1) / kRowBlock : (rows + kLaneBlock - 1) / kLaneBlock;
     const Index groups = std::max<Index>(1, std::min<Index>(units, kGroups));
     const detail::Split gsplit{rows, groups, align};
     const Index parts = detail::row_parts_for(device, rows * n, groups);

@@ -430,7 +430,7 @@ class RMSNorm {
     S* out = y.data();
     T* rsave = saved ? saved->rstd.data() : nullptr;
     const Index align = xv.row_major ? 1 : L;
-    const Index parts = detail::row_parts_for(device, rows * n, (rows + align - 1) / align);
+    const Index parts = detail::row_parts_for(device, rows * n, xv.row_major ? rows : (rows + L - 1) / L);
     const detail::Split split{rows, parts, align};
     const bool streaming = detail::streaming_input<S, T>(rows, n);
     const bool stream_out = streaming && detail::stream_forward_output(rows * n * static_cast<Index>(sizeof(T)));
@@ -769,8 +769,9 @@ class RMSNorm {
     const Index rows = xv.rows, n = xv.cols;
     // Groups of rows as LayerNorm's backward takes them: on kRowBlock, or
     // for ColMajor on blocks of detail::kLanePackets packets.
-    const Index align = xv.row_major ? kRowBlock : Index(detail::kLanePackets) * L;
-    const Index units = (rows + align - 1) / align;
+    constexpr Index kLaneBlock = Index(detail::kLanePackets) * L;
+    const Index align = xv.row_major ? kRowBlock : kLaneBlock;
+    const Index units = xv.row_major ? (rows + kRowBlock - 1) / kRowBlock : (rows + kLaneBlock - 1) / kLaneBlock;
     const Index groups = std::max<Index>(1, std::min<Index>(units, kGroups));
     const detail::Split gsplit{rows, groups, align};
     const Index parts = detail::row_parts_for(device, rows * n, groups);

@@ -81,6 +81,22 @@ constexpr void check_scalar() {
                 "normcore: the tensor's scalar type must match the layer's T");
 }
 
+/// split_view's error: x's trailing dims are not `normalized`.
+template <typename X>
+[[noreturn]] NORMCORE_COLD void fail_trailing_dims(const char* who, const char* what, const X& x,
+                                                   const std::vector<Index>& normalized) {
+  fail(std::string(who) + ": expected " + what + " whose trailing dims are " + shape_string(normalized) +
+       ", got " + what + " of shape " + shape_string(dims_of(x)));
+}
+
+/// check_same_shape's error.
+template <typename A, typename B>
+[[noreturn]] NORMCORE_COLD void fail_shape(const char* who, const char* what, const A& expected_like,
+                                           const B& got) {
+  fail(std::string(who) + ": expected " + what + " of shape " + shape_string(dims_of(expected_like)) + ", got " +
+       shape_string(dims_of(got)));
+}
+
 /// Checks that x's trailing dims equal `normalized` and returns the view
 /// rows = product of the leading dims, cols = product of the trailing dims.
 template <typename T, typename X>
@@ -93,10 +109,7 @@ Matrix2D<T> split_view(const char* who, const char* what, X& x,
   const int k = static_cast<int>(normalized.size());
   bool ok = R >= k;
   for (int i = 0; ok && i < k; ++i) ok = x.dimension(R - k + i) == normalized[static_cast<std::size_t>(i)];
-  if (!ok) {
-    fail(std::string(who) + ": expected " + what + " whose trailing dims are " +
-         shape_string(normalized) + ", got " + what + " of shape " + shape_string(dims_of(x)));
-  }
+  if (!ok) fail_trailing_dims(who, what, x, normalized);
   Matrix2D<T> v;
   v.data = const_cast<T*>(x.data());
   v.rows = 1;
@@ -113,10 +126,7 @@ void check_same_shape(const char* who, const char* what, const A& expected_like,
   constexpr int RA = tensor_traits<A>::rank, RB = tensor_traits<B>::rank;
   bool same = RA == RB;
   for (int i = 0; same && i < RA; ++i) same = expected_like.dimension(i) == got.dimension(i);
-  if (!same) {
-    fail(std::string(who) + ": expected " + what + " of shape " + shape_string(dims_of(expected_like)) +
-         ", got " + shape_string(dims_of(got)));
-  }
+  if (!same) fail_shape(who, what, expected_like, got);
 }
 
 /// The permutation from the memory order of a ColMajor normalized block to
