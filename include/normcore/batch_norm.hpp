@@ -892,11 +892,10 @@ class BatchNorm {
     return std::any_of(piv.begin(), piv.end(), [](T p) { return p != T(0) || std::signbit(p); });
   }
 
-  // normalize into 16-bit y (D) from 16-bit x (S). No float copy of x or y is made. Channels-last
-  // rows, and channels-first segments of at least one packet when y is
-  // apart from x (else of at least kFusedSegmentPackets packets, or of
-  // whole packets), go through normalize16_rows and normalize16_segments
-  // in builds that convert whole packets; the rest a
+  // normalize into 16-bit y (D) from 16-bit x (S). No float copy of x or
+  // y is made. Channels-last rows, and channels-first segments that
+  // one_pass_segments takes, go through normalize16_rows and
+  // normalize16_segments in builds that convert whole packets; the rest a
   // block of about kNormalizeBlock values at a time through float buffers
   // (whole rows; a run of one sample's segments; or a piece of one long
   // segment), with normalize_part on each block and convert_n into y.
@@ -929,7 +928,7 @@ class BatchNorm {
     // Values a block holds: at least one whole row, channels last.
     const Index block = std::max(kNormalizeBlock, v.inner == 1 ? C : Index(0));
     const Index total = v.outer * C * v.inner;
-    const bool apart = detail::bytes_apart(x, total, y, total);  // (see normalize16_rows)
+    const bool apart = detail::disjoint(x, total, y, total);  // (see normalize16_rows)
     detail::run_parts(device, split.parts, [&](Index p) {
       const Index s0 = split.begin(p), s1 = split.begin(p + 1);
       if constexpr (detail::packet_io<S, detail::simd<T>::L>() && detail::packet_io<D, detail::simd<T>::L>()) {
@@ -940,8 +939,7 @@ class BatchNorm {
             normalize16_rows<false>(x, y, C, s0, s1, piv.data(), sc.data(), bs.data(), apart);
           return;
         }
-        constexpr Index L = detail::simd<T>::L;
-        if (v.inner >= kFusedSegmentPackets * L || (v.inner >= L && (v.inner % L == 0 || apart))) {
+        if (one_pass_segments(v.inner, apart)) {
           normalize16_segments(x, y, v.inner, C, s0, s1, piv.data(), sc.data(), bs.data(), apart);
           return;
         }
@@ -956,6 +954,17 @@ class BatchNorm {
         detail::convert_n(static_cast<const T*>(yb), y + first, count);
       });
     });
+  }
+
+  // Whether the 16-bit one-pass kernels (normalize16_segments,
+  // dx16_segments) take channels-first segments of `inner` values: at least
+  // one packet when the output is apart from the inputs (a segment's tail is
+  // then its last packet, overlapping), else at least kFusedSegmentPackets
+  // packets or whole packets (a padded tail costs about as much as a short
+  // segment's packets).
+  static bool one_pass_segments(Index inner, bool apart) {
+    constexpr Index L = detail::simd<T>::L;
+    return inner >= kFusedSegmentPackets * L || (inner >= L && (inner % L == 0 || apart));
   }
 
   // Segments [s0, s1) of v (channels last: rows) in blocks of about `block`
@@ -1882,8 +1891,7 @@ class BatchNorm {
   // dx of segments [s0, s1) (channels last: rows) into 16-bit dx from
   // 16-bit x and dy (S), with the per-channel constants of k (its x, dy and
   // dx unused): no float copy. Channels-last rows, and channels-first
-  // segments of at least one packet when dx is apart from x and dy (else
-  // of at least kFusedSegmentPackets packets, or of whole packets), in one
+  // segments that one_pass_segments takes, in one
   // pass (dx16_rows, dx16_segments) in builds that convert whole
   // packets; the rest a block of about kNormalizeBlock values at a time
   // through float buffers, with the float kernels on each block (whole
@@ -1897,12 +1905,12 @@ class BatchNorm {
     const Index C = v.C, inner = v.inner, total = v.outer * C * inner;
     if constexpr (detail::packet_io<S, L>()) {
       // Overlapping tails (as normalize16_rows) when dx is apart from x and dy.
-      const bool apart = detail::bytes_apart(x, total, dx, total) && detail::bytes_apart(dy, total, dx, total);
+      const bool apart = detail::disjoint(x, total, dx, total) && detail::disjoint(dy, total, dx, total);
       if (inner == 1) {
         dx16_rows(x, dy, dx, k, C, s0, s1, apart);
         return;
       }
-      if (inner >= kFusedSegmentPackets * L || (inner >= L && (inner % L == 0 || apart))) {
+      if (one_pass_segments(inner, apart)) {
         dx16_segments(x, dy, dx, k, inner, C, s0, s1, apart);
         return;
       }

@@ -40,19 +40,13 @@ void stream_store(T* p, const Packet& v) {
 }
 #endif
 
-/// Whether n values of A at a and m values of B at b share no byte (the
-/// types may differ).
+/// Whether the n values of A at a and the m values of B at b share no
+/// byte (the types may differ).
 template <typename A, typename B>
-bool bytes_apart(const A* a, Index n, const B* b, Index m) {
+bool disjoint(const A* a, Index n, const B* b, Index m) {
   const auto pa = reinterpret_cast<std::uintptr_t>(a), pb = reinterpret_cast<std::uintptr_t>(b);
   return pa + static_cast<std::uintptr_t>(n) * sizeof(A) <= pb ||
          pb + static_cast<std::uintptr_t>(m) * sizeof(B) <= pa;
-}
-
-/// Whether the n values at a and the m values at b share no byte.
-template <typename T>
-bool disjoint(const T* a, Index n, const T* b, Index m) {
-  return bytes_apart(a, n, b, m);
 }
 
 /// Whether rows of n values of T starting at p can take streaming stores of
