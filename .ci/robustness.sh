@@ -3,6 +3,9 @@
 #   1. static analysis of include/normcore: clang-tidy (.clang-tidy) and cppcheck
 #   2. differential fuzzing: a short run of each fuzz target
 #   3. the concurrency/determinism tests under ThreadSanitizer
+#   4. one program linked from GCC's and Clang's objects: the lambdas'
+#      closure layouts compared, then the program run (see "Lambdas" in
+#      include/normcore/config.hpp)
 # The clang++ -Werror build of the unit tests, the robustness suite and the
 # fuzz targets, and their run (with the corpus replay), are the asan
 # workflow's (clang++, ASan + UBSan): this stage reuses build/asan, and
@@ -13,7 +16,7 @@ cd "$(dirname "$0")/.."
 
 export DEBIAN_FRONTEND=noninteractive
 need=()
-for pkg in cmake g++ libeigen3-dev libgtest-dev clang libclang-rt-14-dev clang-tidy cppcheck; do
+for pkg in cmake g++ libeigen3-dev libgtest-dev clang libclang-rt-14-dev clang-tidy cppcheck llvm-14 python3; do
   dpkg -s "$pkg" >/dev/null 2>&1 || need+=("$pkg")
 done
 if [ ${#need[@]} -gt 0 ]; then
@@ -71,5 +74,38 @@ cmake -S . -B build/tsan -DCMAKE_CXX_COMPILER=clang++ \
 cmake --build build/tsan -j "$jobs" --target normcore_robustness_native
 TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1" \
   ctest --test-dir build/tsan -R '^normcore_robustness_native\.' -j "$jobs" --output-on-failure --timeout 900
+
+# --- 4: GCC and Clang in one program -------------------------------------------
+# tests/robustness/mixed_compilers.cpp: side 1 by g++, side 2 by clang++ (the
+# same calls), main by g++; linked in both orders so that each compiler's copy
+# of every shared inline function is the one kept once. About a minute.
+step "one program from GCC's and Clang's objects"
+mixed=build/mixed
+rm -rf "$mixed"
+mkdir -p "$mixed/gcc" "$mixed/clang"
+src=tests/robustness/mixed_compilers.cpp
+flags=(-std=c++17 -O2 -g -march=native -Wall -Wextra -Wpedantic -Werror -Iinclude -isystem /usr/include/eigen3)
+# (GCC 12 reports -Wuninitialized inside its own AVX-512 intrinsics' headers,
+# as in tests/CMakeLists.txt.)
+g++ "${flags[@]}" -Wno-uninitialized -DNORMCORE_SIDE=1 -c "$src" -o "$mixed/gcc/side.o" &
+gcc_pid=$!
+clang++ "${flags[@]}" -DNORMCORE_SIDE=2 -c "$src" -o "$mixed/clang/side.o" &
+clang_pid=$!
+failed=0
+wait "$gcc_pid" || failed=1
+wait "$clang_pid" || failed=1
+if [ "$failed" != 0 ]; then
+  echo "robustness: building tests/robustness/mixed_compilers.cpp failed" >&2
+  exit 1
+fi
+g++ -std=c++17 -O2 -Wall -Wextra -Werror -c "$src" -o "$mixed/main.o"
+step "closure layouts, GCC against Clang"
+python3 tests/robustness/closure_layouts.py "$mixed/gcc" "$mixed/clang"
+g++ "$mixed/main.o" "$mixed/gcc/side.o" "$mixed/clang/side.o" -o "$mixed/gcc_first" -pthread
+g++ "$mixed/main.o" "$mixed/clang/side.o" "$mixed/gcc/side.o" -o "$mixed/clang_first" -pthread
+step "run, GCC's inline functions kept"
+"$mixed/gcc_first"
+step "run, Clang's inline functions kept"
+"$mixed/clang_first"
 
 step "done"

@@ -876,7 +876,7 @@ class BatchNorm {
     const detail::Split split = segment_split(device, v);
     const bool pivots = any_pivot(piv);
     const bool stream = streams_y(x, y, v);
-    detail::run_parts(device, split.parts, [&](Index p) {
+    detail::run_parts(device, split.parts, [&split, &stream, &x, &y, &v, &piv, &sc, &bs, &pivots](Index p) {
       const Index s0 = split.begin(p), s1 = split.begin(p + 1);
       if (stream) {
         normalize_part<true>(x, y, v, s0, s1, piv.data(), sc.data(), bs.data(), pivots);
@@ -929,7 +929,9 @@ class BatchNorm {
     const Index block = std::max(kNormalizeBlock, v.inner == 1 ? C : Index(0));
     const Index total = v.outer * C * v.inner;
     const bool apart = detail::disjoint(x, total, y, total);  // (see normalize16_rows)
-    detail::run_parts(device, split.parts, [&](Index p) {
+    detail::run_parts(device, split.parts, [&split, &v, &pivots, &x, &y, &C, &piv, &sc, &bs, &apart, &block](Index p) {
+      static_cast<void>(C);  // (C and apart: read where the build converts whole packets only)
+      static_cast<void>(apart);
       const Index s0 = split.begin(p), s1 = split.begin(p + 1);
       if constexpr (detail::packet_io<S, detail::simd<T>::L>() && detail::packet_io<D, detail::simd<T>::L>()) {
         if (v.inner == 1) {
@@ -1830,35 +1832,36 @@ class BatchNorm {
     if (!dx || fused || total == 0) return;  // (an empty dim: nothing to write)
     for (Index c = 0; c < C; ++c) coeffs(c, count);
     const detail::Split split = segment_split(device, v);
-    detail::run_parts(device, split.parts, [&](Index p) {
-      const Index s0 = split.begin(p), s1 = split.begin(p + 1);
-      if constexpr (widen) {
-        dx16_part(x.data(), dy.data(), dx, dx_args, v, s0, s1);
-        return;
-      } else {
-      if (v.inner == 1) {
+    if constexpr (widen) {
+      detail::run_parts(device, split.parts, [&split, &x, &dy, &dx, &dx_args, &v](Index p) {
+        dx16_part(x.data(), dy.data(), dx, dx_args, v, split.begin(p), split.begin(p + 1));
+      });
+    } else {
+      detail::run_parts(device, split.parts, [&split, &v, &streaming, &dx_args, &C](Index p) {
+        const Index s0 = split.begin(p), s1 = split.begin(p + 1);
+        if (v.inner == 1) {
+          streaming([&](auto stream_dx) {
+            constexpr bool Stream = decltype(stream_dx)::value;
+            dx_rows<Stream>(dx_args, C, s0, s1);
+          });
+          return;
+        }
+        if (v.inner > 1 && v.inner < detail::simd<T>::L) {  // (never streams: segments shorter than a packet)
+          dx_small_maps(dx_args, v.inner, C, s0, s1);
+          return;
+        }
         streaming([&](auto stream_dx) {
           constexpr bool Stream = decltype(stream_dx)::value;
-          dx_rows<Stream>(dx_args, C, s0, s1);
+          const DxArgs q = dx_args;
+          const Index inner = v.inner, nc = C;
+          Index c = s0 % nc;  // channel of segment s
+          for (Index s = s0; s < s1; ++s) {
+            dx_values<Stream>(q, s * inner, inner, c);
+            if (++c == nc) c = 0;  // no division per segment
+          }
         });
-        return;
-      }
-      if (v.inner > 1 && v.inner < detail::simd<T>::L) {  // (never streams: segments shorter than a packet)
-        dx_small_maps(dx_args, v.inner, C, s0, s1);
-        return;
-      }
-      streaming([&](auto stream_dx) {
-        constexpr bool Stream = decltype(stream_dx)::value;
-        const DxArgs q = dx_args;
-        const Index inner = v.inner, nc = C;
-        Index c = s0 % nc;  // channel of segment s
-        for (Index s = s0; s < s1; ++s) {
-          dx_values<Stream>(q, s * inner, inner, c);
-          if (++c == nc) c = 0;  // no division per segment
-        }
       });
-      }
-    });
+    }
   }
 
   // dx of channels-last rows [o0, o1) of C values. In packets of at most

@@ -54,6 +54,25 @@
 #endif
 #endif
 
+/// Lambdas. A lambda in a header is one type in every translation unit,
+/// and its call operator one function that the linker keeps a single copy
+/// of; so a program that links objects from GCC and from Clang runs one
+/// compiler's operator on a closure that the other compiler's inlined code
+/// built. The Itanium C++ ABI does not fix the order of a closure's captured
+/// members, and the two compilers differ where a lambda captures by default
+/// (`[&]`): GCC captures `this` last when a member is called with dependent
+/// arguments, Clang where it appears; GCC captures what a discarded
+/// `if constexpr` branch names and some constexpr locals, Clang does not.
+/// Where the defaults differ, normcore's lambdas list their captures: GCC 12
+/// and Clang 14 lay out an explicit list in its order (the standard leaves
+/// that open too, but both do). `static_cast<void>(v)` marks a capture that
+/// some instantiations do not read, for Clang's -Wunused-lambda-capture. The
+/// robustness stage of CI compares the layouts of the closures that
+/// tests/robustness/mixed_compilers.cpp instantiates (every layer, float and
+/// bfloat16, both layouts, with and without a device; CI's own ISA) in the
+/// two compilers' debug information (tests/robustness/closure_layouts.py),
+/// and runs that program linked from both compilers' objects.
+
 /// After a lambda's parameter list: the lambda is always inlined. The
 /// per-packet bodies that detail::for_packets calls carry it. Without it, GCC
 /// 12 at -O3 inlined them in a small program but called them out of line,

@@ -252,7 +252,9 @@ class LayerNorm {
                    NormStats<T>* saved = nullptr) const {
     if (detail::to_serial(device, x.size())) return forward_add(Serial(), x, residual, h, y, saved);
     detail::fused_add_norm(device, kWho, options_.normalized_shape(), x, residual, h, y, saved,
-                           [&](auto& hh, auto& yy, NormStats<T>* st) { forward_impl(device, hh, yy, st); },
+                           [this, &device](auto& hh, auto& yy, NormStats<T>* st) {
+                             this->forward_impl(device, hh, yy, st);
+                           },
                            [&](const auto* xb, auto* yb, Index count, Index r0, NormStats<T>* st,
                                const detail::ParamPtrs<T>& prm) {
                              T* mean = st ? st->mean.data() + r0 : nullptr;
@@ -339,7 +341,9 @@ class LayerNorm {
     const bool streaming = large || intel_streaming<S>(rows, n) || mid_streaming<S>(rows, n);
     const bool stream_out = large && detail::stream_forward_output(rows * n * static_cast<Index>(sizeof(T)));
     if (xv.row_major) {
-      detail::run_parts(device, parts, [&](Index p) {
+      detail::run_parts(device, parts, [this, &xv, &out, &n, &split, &mean, &rstd, &prm, &rows, &streaming,
+                                        &stream_out](Index p) {
+        static_cast<void>(rows);  // (read by 16-bit rows read as packets only)
         if constexpr (!std::is_same<S, T>::value && detail::packet_io<S, L>()) {
           if (n > 0) {  // 16-bit rows, read as they are
             const Index b0 = split.begin(p);
@@ -353,7 +357,8 @@ class LayerNorm {
         // conversions: widened a block at a time, normalized in float,
         // rounded once on the way out.
         detail::rows_in_compute_type<T>(xv.data, out, n, split.begin(p), split.begin(p + 1),
-                                        [&](const T* xb, T* yb, Index m, Index r0) {
+                                        [this, &n, &mean, &rstd, &prm, &streaming, &stream_out](
+                                            const T* xb, T* yb, Index m, Index r0) {
                                           forward_rows(xb, yb, n, m, mean ? mean + r0 : nullptr,
                                                        rstd ? rstd + r0 : nullptr, prm.gamma, prm.beta, streaming,
                                                        stream_out);
@@ -361,7 +366,9 @@ class LayerNorm {
       });
     } else {
       const auto pv = detail::param_view(true, options_.normalized_shape(), prm.gamma, prm.beta, n);
-      detail::run_parts(device, parts, [&](Index p) {
+      detail::run_parts(device, parts, [this, &xv, &out, &mean, &rstd, &split, &pv, &rows, &n](Index p) {
+        static_cast<void>(rows);  // (rows and n: read by 16-bit data only)
+        static_cast<void>(n);
         if constexpr (std::is_same<S, T>::value) {
           forward_colmajor(xv, out, mean, rstd, split.begin(p), split.begin(p + 1), pv.gamma, pv.beta, true);
         } else {
@@ -369,7 +376,7 @@ class LayerNorm {
           // into the block's buffer, read back at once).
           detail::colmajor_in_compute_type<T>(
               xv.data, out, rows, n, split.begin(p), split.begin(p + 1), detail::colmajor_stage_rows<T>(n),
-              [&](const detail::Matrix2D<T>& v, T* yb, Index r0) {
+              [this, &mean, &rstd, &pv](const detail::Matrix2D<T>& v, T* yb, Index r0) {
                 forward_colmajor(v, yb, mean ? mean + r0 : nullptr, rstd ? rstd + r0 : nullptr, 0, v.rows, pv.gamma,
                                  pv.beta, false);
               });
@@ -610,7 +617,7 @@ class LayerNorm {
     alignas(64) double q[2][G];
     alignas(64) T pivot[2][G];
     detail::CoeffGroup<T> k;
-    const auto moments = [&](Index r0, int s) {
+    const auto moments = [&G, &count, &x, &n, &mu, &q, &pivot](Index r0, int s) {
       const Index m = std::min(G, count - r0);
       detail::short_rows_moments_split<G>(x + r0 * n, n, n, m, mu[s], q[s]);
       for (Index i = 0; i < m; ++i) pivot[s][i] = x[(r0 + i) * n];
@@ -851,8 +858,9 @@ class LayerNorm {
                       Eigen::Tensor<P, 1>* dweight, Eigen::Tensor<P, 1>* dbias,
                       const NormStats<T>* saved) const {
     detail::row_backward_entry<T>(kWho, options_.normalized_shape(), x, dy, dx, dh,
-                                  [&](const auto& v, const auto* dyp, auto* dxp, const auto* dhp) {
-                                    backward_impl(device, v, dyp, dxp, dhp, dweight, dbias, saved);
+                                  [this, &device, &dweight, &dbias, &saved](const auto& v, const auto* dyp,
+                                                                            auto* dxp, const auto* dhp) {
+                                    this->backward_impl(device, v, dyp, dxp, dhp, dweight, dbias, saved);
                                   });
   }
 
@@ -862,7 +870,8 @@ class LayerNorm {
   // statistics and then its normalize while its x is in the cache.
   void forward_colmajor(const detail::Matrix2D<T>& xv, T* out, T* mean, T* rstd, Index r0,
                         Index r1, const T* g, const T* b, bool may_stream) const {
-    detail::for_colmajor_segments<T>(xv.rows, xv.cols, r0, r1, [&](Index s0, Index s1) {
+    detail::for_colmajor_segments<T>(xv.rows, xv.cols, r0, r1,
+                                     [this, &xv, &out, &mean, &rstd, &g, &b, &may_stream](Index s0, Index s1) {
       forward_colmajor_rows(xv, out, mean, rstd, s0, s1, g, b, may_stream);
     });
   }
@@ -1023,13 +1032,16 @@ class LayerNorm {
     } else {
       T* sm = stat.data();
       T* sr = stat.data() + rows;
-      detail::run_parts(device, parts, [&](Index p) {
+      detail::run_parts(device, parts, [this, &gsplit, &psplit, &xv, &rows, &n, &sm, &sr](Index p) {
+        static_cast<void>(rows);  // (read by 16-bit data only)
         const Index r0 = gsplit.begin(psplit.begin(p)), r1 = gsplit.begin(psplit.begin(p + 1));
         if (!xv.row_major) {
           if constexpr (wide) {  // 16-bit: blocks of rows widened into float
             detail::colmajor_in_compute_type<T>(
                 xv.data, static_cast<S*>(nullptr), rows, n, r0, r1, detail::colmajor_stage_rows<T>(n),
-                [&](const detail::Matrix2D<T>& v, T*, Index b) { colmajor_stats(v, 0, v.rows, sm + b, sr + b); });
+                [this, &sm, &sr](const detail::Matrix2D<T>& v, T*, Index b) {
+                  colmajor_stats(v, 0, v.rows, sm + b, sr + b);
+                });
           } else {
             colmajor_stats(xv, r0, r1, sm, sr);
           }
@@ -1081,7 +1093,10 @@ class LayerNorm {
     const auto prm = detail::param_ptrs<T>(weight_, Eigen::Tensor<P, 1>());
     const auto pv = detail::param_view(!xv.row_major, options_.normalized_shape(), prm.gamma,
                                        static_cast<const T*>(nullptr), n);
-    detail::run_parts(device, parts, [&](Index p) {
+    detail::run_parts(device, parts, [&xv, &gsplit, &psplit, &dweight, &dw_part, &dbias, &db_part, &dyp, &dxp, &dhp,
+                                      &rows, &n, &mean, &rstd, &pv, &ahead, &stream_dx, &one_block](Index p) {
+      static_cast<void>(ahead);  // (ahead and one_block: read by rows that are not staged only)
+      static_cast<void>(one_block);
       if (!xv.row_major) {
         const Index R0 = gsplit.begin(psplit.begin(p)), R1 = gsplit.begin(psplit.begin(p + 1));
         double* const dwp = dweight ? dw_part : nullptr;
@@ -1488,7 +1503,7 @@ class LayerNorm {
         }
       }
     };
-    const auto second = [&](auto rows_c, Index r, const detail::BackwardCoeffs<T>* c) {
+    const auto second = [&full, &second_of](auto rows_c, Index r, const detail::BackwardCoeffs<T>* c) {
       if (full) return second_of(rows_c, std::true_type(), r, c);
       second_of(rows_c, std::false_type(), r, c);
     };

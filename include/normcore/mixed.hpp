@@ -512,7 +512,7 @@ void fused_add_norm(const Device& device, const char* who, const std::vector<Ind
       return;
     }
   }
-  run_parts(device, parts, [&](Index p) {
+  run_parts(device, parts, [&split, &n, &long_row, &rows, &xp, &rp, &hp, &rows_fn, &yp, &saved, &prm](Index p) {
     const Index b = split.begin(p), e = split.begin(p + 1);
     constexpr bool direct16 = !std::is_same<S, T>::value && packet_io<S, simd<T>::L>();
     // Long 16-bit rows of an input of kStreamingBytes or more as T: one row

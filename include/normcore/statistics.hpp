@@ -1569,7 +1569,7 @@ void lane_chunks_in_memory(const T* x, Index stride, Index count, Index lanes, c
   const auto& recip = detail::reciprocals<T>::table;
   if (lanes <= 0 || count <= 0) return;
   const Index vec = lanes / L * L;
-  chunked_lane_states<T>(count, lanes, [&](Index i, Index iters, T* mean, T* m2) {
+  chunked_lane_states<T>(count, lanes, [&x, &stride, &vec, &pivot, &lanes](Index i, Index iters, T* mean, T* m2) {
     for (Index it = 1; it <= iters; ++it) {
       const T* row = x + (i + it - 1) * stride;
       const T inv = recip[static_cast<std::size_t>(it)];
@@ -1622,7 +1622,8 @@ void lane_chunks(const T* x, Index stride, Index count, Index lanes, const T* pi
     // recurrence in scalars, in memory.
     const Index full = lanes / LF * LF;
     const Index tile = full > kBlock ? std::max<Index>(4, kLaneTileBytes / (lanes * Index(sizeof(T)))) : kChunk;
-    chunked_lane_states<T>(count, lanes, [&](Index i, Index iters, T* mean, T* m2) {
+    chunked_lane_states<T>(count, lanes, [&tile, &full, &kBlock, &x, &stride, &pivot, &lanes](Index i, Index iters,
+                                                                                          T* mean, T* m2) {
       for (Index t = 1; t <= iters; t += tile) {
         const Index rows = std::min<Index>(tile, iters - t + 1);
         for (Index c0 = 0; c0 < full; c0 += kBlock) {

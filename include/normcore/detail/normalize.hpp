@@ -57,8 +57,8 @@ inline void inv_sqrt_group(const double* v, double d, double eps, Index count, d
   using PD = typename narrow_simd<double>::Packet;
   constexpr int LD = narrow_simd<double>::L;
   const PD one = pset1<PD>(1.0), pe = pset1<PD>(eps), pd = pset1<PD>(d);
-  const auto inv_sqrt = [&](PD a) {
-    if constexpr (Div) a = pdiv(a, pd);
+  const auto inv_sqrt = [&pd, &one, &pe](PD a) {
+    if (Div) a = pdiv(a, pd);
     return pdiv(one, psqrt(padd(a, pe)));
   };
   Index i = 0;
