@@ -195,6 +195,11 @@ TEST(Threads, BatchNormBitIdenticalForAnyThreadCount) {
   // In double, so that a change in the order of the merges (in double)
   // shows in the outputs.
   check_batch_norm<-1, double>(1, 1024, 12 * 256 + 17);
+  // Channels last on an input of detail::kStreamingBytes (float, 300
+  // channels: tiles of rows, which then request the next tile ahead, up to
+  // the end of the input on the calling thread and of a part's chunks on
+  // several).
+  check_batch_norm<-1>(1, 300, normcore::detail::kStreamingBytes / (300 * 4) + 17);
   // Fewer values than one thread's share: the calling thread's path.
   check_batch_norm<1>(2, 8, 30);
   check_batch_norm<-1>(2, 8, 30);

@@ -313,6 +313,42 @@ TYPED_TEST(MomentsTest, LaneMomentsSameBitsInRegistersAsInMemory) {
   }
 }
 
+// lane_chunks' tiles (rows wider than one block, lying end to end) request
+// the next tile into the cache as they go, up to ahead_rows rows past their
+// own: requests only, so the same bits per column as lane_chunks_in_memory,
+// with no rows past the chunk, a few (less than a tile) or many; whole and
+// partial tiles and chunks, with and without leftover lanes.
+TYPED_TEST(MomentsTest, LaneTileRequestsKeepTheBits) {
+  using T = TypeParam;
+  constexpr Index L = normcore::detail::simd<T>::L;
+  constexpr Index block = normcore::detail::kRegisterLanePackets * L;
+  for (Index lanes : {block + L, block + L + 3, 3 * block, 4 * block + 5}) {
+    for (Index count : {Index(7), Index(256), Index(302)}) {
+      for (Index ahead : {Index(-1), Index(0), Index(5), Index(300)}) {
+        const Index rows = count + std::max<Index>(0, ahead);
+        const auto v = randn<T>(static_cast<std::size_t>(lanes * rows), unsigned(lanes * 1000 + count), 20.0, 2.0);
+        std::vector<Welford<double>> reg(static_cast<std::size_t>(lanes)), mem(static_cast<std::size_t>(lanes));
+        const auto into = [&lanes](std::vector<Welford<double>>& out) {
+          return [&out, &lanes](Index, Index n, const T* mean, const T* m2) {
+            for (Index c = 0; c < lanes; ++c)
+              out[static_cast<std::size_t>(c)].merge(Welford<double>(
+                  static_cast<double>(n), static_cast<double>(mean[c]), static_cast<double>(m2[c])));
+          };
+        };
+        normcore::detail::lane_chunks(v.data(), lanes, count, lanes, v.data(), into(reg), ahead);
+        normcore::detail::lane_chunks_in_memory(v.data(), lanes, count, lanes, v.data(), into(mem));
+        for (Index c = 0; c < lanes; ++c) {
+          SCOPED_TRACE(::testing::Message() << "lanes=" << lanes << " count=" << count << " ahead=" << ahead
+                                            << " c=" << c);
+          ASSERT_EQ(reg[static_cast<std::size_t>(c)].count(), double(count));
+          ASSERT_EQ(reg[static_cast<std::size_t>(c)].mean(), mem[static_cast<std::size_t>(c)].mean());
+          ASSERT_EQ(reg[static_cast<std::size_t>(c)].m2(), mem[static_cast<std::size_t>(c)].m2());
+        }
+      }
+    }
+  }
+}
+
 // detail::Scratch: a thread's arena is a stack of live objects; a request
 // that does not fit while another is alive comes from the heap, and the
 // arena grows to the largest total at the next first request; requests above
