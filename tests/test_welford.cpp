@@ -1,9 +1,11 @@
 // The statistics core: scalar Welford/Chan against two-pass double, and the
 // SIMD row and lane moments against the same.
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <fstream>
 #include <random>
+#include <set>
 #include <string>
 #include <thread>
 
@@ -315,34 +317,53 @@ TYPED_TEST(MomentsTest, LaneMomentsSameBitsInRegistersAsInMemory) {
 
 // lane_chunks' tiles (rows wider than one block, lying end to end) request
 // the next tile into the cache as they go, up to ahead_rows rows past their
-// own: requests only, so the same bits per column as lane_chunks_in_memory,
-// with no rows past the chunk, a few (less than a tile) or many; whole and
-// partial tiles and chunks, with and without leftover lanes.
-TYPED_TEST(MomentsTest, LaneTileRequestsKeepTheBits) {
+// own. Requests only: the same bits per column as lane_chunks_in_memory.
+// And the requests (recorded here instead of made) are exactly the lines
+// that start in the rows after the first tile, through min(tile,
+// ahead_rows) rows past the call's own: every line once or more, none
+// outside; none at all without ahead_rows or where the rows do not lie end
+// to end. No rows past the chunk, a few or many; whole and partial tiles
+// and chunks, with and without leftover lanes, and a tile of one block.
+TYPED_TEST(MomentsTest, LaneTileRequestsKeepTheBitsAndCoverTheNextTile) {
   using T = TypeParam;
   constexpr Index L = normcore::detail::simd<T>::L;
   constexpr Index block = normcore::detail::kRegisterLanePackets * L;
-  for (Index lanes : {block + L, block + L + 3, 3 * block, 4 * block + 5}) {
+  constexpr Index kLine = 64;
+  for (Index lanes : {block, block + L, block + L + 3, 3 * block, 4 * block + 5}) {
+    const Index tile = std::max<Index>(4, normcore::detail::kLaneTileBytes / (lanes * Index(sizeof(T))));
     for (Index count : {Index(7), Index(256), Index(302)}) {
       for (Index ahead : {Index(-1), Index(0), Index(5), Index(300)}) {
-        const Index rows = count + std::max<Index>(0, ahead);
-        const auto v = randn<T>(static_cast<std::size_t>(lanes * rows), unsigned(lanes * 1000 + count), 20.0, 2.0);
-        std::vector<Welford<double>> reg(static_cast<std::size_t>(lanes)), mem(static_cast<std::size_t>(lanes));
-        const auto into = [&lanes](std::vector<Welford<double>>& out) {
-          return [&out, &lanes](Index, Index n, const T* mean, const T* m2) {
-            for (Index c = 0; c < lanes; ++c)
-              out[static_cast<std::size_t>(c)].merge(Welford<double>(
-                  static_cast<double>(n), static_cast<double>(mean[c]), static_cast<double>(m2[c])));
+        for (Index stride : {lanes, lanes + 1}) {
+          const Index rows = count + std::max<Index>(0, ahead);
+          const auto v = randn<T>(static_cast<std::size_t>(stride * rows), unsigned(lanes * 1000 + count), 20.0, 2.0);
+          std::vector<Welford<double>> reg(static_cast<std::size_t>(lanes)), mem(static_cast<std::size_t>(lanes));
+          const auto into = [&lanes](std::vector<Welford<double>>& out) {
+            return [&out, &lanes](Index, Index n, const T* mean, const T* m2) {
+              for (Index c = 0; c < lanes; ++c)
+                out[static_cast<std::size_t>(c)].merge(Welford<double>(
+                    static_cast<double>(n), static_cast<double>(mean[c]), static_cast<double>(m2[c])));
+            };
           };
-        };
-        normcore::detail::lane_chunks(v.data(), lanes, count, lanes, v.data(), into(reg), ahead);
-        normcore::detail::lane_chunks_in_memory(v.data(), lanes, count, lanes, v.data(), into(mem));
-        for (Index c = 0; c < lanes; ++c) {
+          std::set<std::uintptr_t> asked;
+          const auto record = [&asked](const char* line) { asked.insert(reinterpret_cast<std::uintptr_t>(line)); };
+          normcore::detail::lane_chunks(v.data(), stride, count, lanes, v.data(), into(reg), ahead, record);
+          normcore::detail::lane_chunks_in_memory(v.data(), stride, count, lanes, v.data(), into(mem));
           SCOPED_TRACE(::testing::Message() << "lanes=" << lanes << " count=" << count << " ahead=" << ahead
-                                            << " c=" << c);
-          ASSERT_EQ(reg[static_cast<std::size_t>(c)].count(), double(count));
-          ASSERT_EQ(reg[static_cast<std::size_t>(c)].mean(), mem[static_cast<std::size_t>(c)].mean());
-          ASSERT_EQ(reg[static_cast<std::size_t>(c)].m2(), mem[static_cast<std::size_t>(c)].m2());
+                                            << " stride=" << stride);
+          for (Index c = 0; c < lanes; ++c) {
+            ASSERT_EQ(reg[static_cast<std::size_t>(c)].count(), double(count));
+            ASSERT_EQ(reg[static_cast<std::size_t>(c)].mean(), mem[static_cast<std::size_t>(c)].mean()) << c;
+            ASSERT_EQ(reg[static_cast<std::size_t>(c)].m2(), mem[static_cast<std::size_t>(c)].m2()) << c;
+          }
+          std::set<std::uintptr_t> expected;
+          if (ahead >= 0 && stride == lanes && lanes / L * L > block) {
+            const auto base = reinterpret_cast<std::uintptr_t>(v.data());
+            const std::uintptr_t row = static_cast<std::uintptr_t>(lanes) * sizeof(T);
+            const std::uintptr_t a0 = base + static_cast<std::uintptr_t>(std::min(tile, count)) * row;
+            const std::uintptr_t a1 = base + static_cast<std::uintptr_t>(count + std::min(tile, ahead)) * row;
+            for (std::uintptr_t a = (a0 + kLine - 1) / kLine * kLine; a < a1; a += kLine) expected.insert(a);
+          }
+          EXPECT_TRUE(asked == expected) << asked.size() << " lines requested, " << expected.size() << " expected";
         }
       }
     }

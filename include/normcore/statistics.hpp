@@ -669,11 +669,6 @@ inline Index rows_ahead(bool streaming, Index group, Index left) {
   return streaming && group > 1 ? std::min(group, left) : 0;
 }
 
-/// Requests the `bytes` bytes at p into the cache (one prefetch per line).
-inline void prefetch_span(const void* p, Index bytes) {
-  const char* c = static_cast<const char*>(p);
-  for (Index off = 0; off < bytes; off += 64) Eigen::internal::prefetch(c + off);
-}
 
 /// Whether a row-wise backward over `rows` rows of n values stored as S
 /// (computed in T) streams: the gate of streaming_input on what it reads,
@@ -889,6 +884,17 @@ EIGEN_ALWAYS_INLINE void prefetch_line(const void* p) {
 /// Requests the cache line at p into the L2, not the L1 (which holds the
 /// row being worked on).
 EIGEN_ALWAYS_INLINE void prefetch_l2(const void* p) { prefetch_line<2>(p); }
+
+/// Requests the `bytes` bytes at p into the cache (one prefetch per line,
+/// into the L1 as well). Always inlined, as every function here whose only
+/// effect is a request: GCC 12 takes a function that only requests (the
+/// builtin touches no memory it tracks) for one without side effects, and
+/// where it does not inline it, it removes the calls, requests and all
+/// (seen with -fno-inline, and with a functor's call in a loop).
+EIGEN_ALWAYS_INLINE void prefetch_span(const void* p, Index bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (Index off = 0; off < bytes; off += 64) prefetch_line<3>(c + off);
+}
 
 /// Values of T in a 64-byte cache line.
 template <typename T>
@@ -1463,16 +1469,15 @@ constexpr Index kLaneTileBytes = 16 * 1024;
 /// mean and m2, stepped through the chunk's rows first .. first + iters - 1
 /// (counted from 1; row k of the chunk is x + (i0 + k - 1) * stride) and
 /// stored back. Each lane runs the same recurrence as in memory, so the
-/// same bits. Ahead: step k < ahead_iters also requests the lines that
-/// start in bytes [k * S, (k + 1) * S) from `ahead` (S: the NP packets'
-/// bytes; lane_chunks' requests of the next tile).
-template <int NP, bool Ahead = false, typename T>
+/// same bits. Ahead (lane_chunks' requests of the next tile): step k also
+/// calls ask.request(line) for the 64-byte lines that start in bytes
+/// [k * ask.step, (k + 1) * ask.step) of the ask.bytes bytes at ask.from.
+template <int NP, bool Ahead = false, typename T, typename Ask = int>
 void lane_chunk_in_registers(const T* x, Index stride, Index i0, Index first, Index iters, const T* pivot,
-                             T* mean, T* m2, const char* ahead = nullptr, Index ahead_iters = 0) {
+                             T* mean, T* m2, const Ask& ask = {}) {
   using namespace Eigen::internal;
   using Packet = typename simd<T>::Packet;
   constexpr int L = simd<T>::L;
-  constexpr Index kStepBytes = Index(NP) * L * Index(sizeof(T));
   const auto& recip = detail::reciprocals<T>::table;
   Packet mu[NP];
   Packet q[NP];
@@ -1488,11 +1493,7 @@ void lane_chunk_in_registers(const T* x, Index stride, Index i0, Index first, In
     for (int k = 0; k < NP; ++k) {
       welford_step(psub(ploadu<Packet>(row + k * L), ploadu<Packet>(pivot + k * L)), pinv, mu[k], q[k]);
     }
-    if (Ahead && it - first < ahead_iters) {  // the lines that start in this step's bytes of the next tile
-      const char* a = ahead + (it - first) * kStepBytes;
-      const Index skip = static_cast<Index>((64 - reinterpret_cast<std::uintptr_t>(a) % 64) % 64);
-      for (Index b = skip; b < kStepBytes; b += 64) prefetch_l2(a + b);
-    }
+    if constexpr (Ahead) ask.lines_of_step(it - first);
   }
   NORMCORE_UNROLL
   for (int k = 0; k < NP; ++k) {
@@ -1535,17 +1536,42 @@ void lane_chunk_in_registers(int np, const T* x, Index stride, Index i0, Index f
   });
 }
 
-/// The same, requesting the ahead_iters * np packets of bytes from `ahead`
-/// into the cache as it goes (np packets a step). A function of its own, so
-/// that the loop without requests (and its caller's code) stays as it was:
-/// with the requests' test in the one loop, lane_moments took about 1.05x
-/// the time at 4096x512 on a Zen 4 guest.
-template <typename T>
+/// Requests the cache line at p into the L2 (prefetch_l2): lane_chunks'
+/// requests of the next tile, unless the caller passes its own (the tests
+/// record them).
+struct RequestL2 {
+  // Always inlined (see prefetch_span): called through TileAsk it was not,
+  // and GCC 12 removed every request.
+  EIGEN_ALWAYS_INLINE void operator()(const char* p) const { prefetch_l2(p); }
+};
+
+/// A share of lane_chunks' next tile, `bytes` bytes from `from`, that a
+/// block requests `step` bytes a step: step k requests the lines that start
+/// in bytes [k * step, min((k + 1) * step, bytes)).
+template <typename Request>
+struct TileAsk {
+  const char* from;
+  Index bytes;
+  Index step;
+  Request request;
+  EIGEN_ALWAYS_INLINE void lines_of_step(Index k) const {
+    const Index b0 = k * step;
+    if (b0 >= bytes) return;
+    const Index b1 = std::min(b0 + step, bytes);
+    const auto at = reinterpret_cast<std::uintptr_t>(from) + static_cast<std::uintptr_t>(b0);
+    for (Index b = b0 + static_cast<Index>((64 - at % 64) % 64); b < b1; b += 64) request(from + b);
+  }
+};
+
+/// lane_chunk_in_registers with requests (Ahead) for np packets. A function
+/// of its own, so that the loop without requests (and its caller's code)
+/// stays as it was: with the requests' test in the one loop, lane_moments
+/// took about 1.05x the time at 4096x512 on a Zen 4 guest.
+template <typename T, typename Request>
 void lane_chunk_requesting(int np, const T* x, Index stride, Index i0, Index first, Index iters, const T* pivot,
-                           T* mean, T* m2, const char* ahead, Index ahead_iters) {
+                           T* mean, T* m2, const TileAsk<Request>& ask) {
   with_register_packets(np, [&](auto k) {
-    lane_chunk_in_registers<decltype(k)::value, true>(x, stride, i0, first, iters, pivot, mean, m2, ahead,
-                                                      ahead_iters);
+    lane_chunk_in_registers<decltype(k)::value, true>(x, stride, i0, first, iters, pivot, mean, m2, ask);
   });
 }
 
@@ -1631,12 +1657,15 @@ void lane_chunks_in_memory(const T* x, Index stride, Index count, Index lanes, c
 /// states kept in memory (no registers across rows) measured 0.63x, 0.87x,
 /// 0.74-0.91x and 0.76-1.05x on the same shapes: slower than the tiles
 /// except on the narrowest rows, and slower than before at 50176x256.
-/// Not measured with AVX-512 (rows of more than 128 floats take the tiles).
+/// (The tiles were not measured against the walk before them with AVX-512,
+/// where rows of more than 128 floats take them.)
 ///
-/// ahead_rows >= 0: rows that lie end to end (stride == lanes) and take
-/// tiles request the next tile into the L2 as they go, front to back, a
-/// step's share of its lines with every step of a block (prefetch_l2), up
-/// to row count + ahead_rows (rows past this call's that the caller says
+/// Requests ahead (ahead_rows >= 0; AVX-512 measurements): where the rows
+/// lie end to end (stride == lanes) and take tiles, each tile requests the
+/// next one into the L2 while it is worked on, front to back: every step of
+/// every block requests the next slice of the next tile's lines (request:
+/// prefetch_l2 unless the caller passes its own). Requests reach as far as
+/// row count + ahead_rows (rows past this call's that the caller says
 /// exist). Requests only: the same operations, so the same bits. From
 /// memory, the tiles' walk (each block reads a few lines of each row of
 /// the tile, then the next block the next few) ran at about half the speed
@@ -1647,9 +1676,9 @@ void lane_chunks_in_memory(const T* x, Index stride, Index count, Index lanes, c
 /// holds they cost time (a plain tiled read 1.07x at 4096x512), hence the
 /// callers' gate (lane_moments, BatchNorm's channel statistics: inputs of
 /// at least kStreamingBytes).
-template <typename T, typename Flush>
+template <typename T, typename Flush, typename Request = RequestL2>
 void lane_chunks(const T* x, Index stride, Index count, Index lanes, const T* pivot, Flush&& flush,
-                 Index ahead_rows = -1) {
+                 Index ahead_rows = -1, Request request = {}) {
   const auto& recip = detail::reciprocals<T>::table;
   if (lanes <= 0 || count <= 0) return;
   constexpr int LF = simd<T>::L;
@@ -1661,24 +1690,25 @@ void lane_chunks(const T* x, Index stride, Index count, Index lanes, const T* pi
     // recurrence in scalars, in memory.
     const Index full = lanes / LF * LF;
     const Index tile = full > kBlock ? std::max<Index>(4, kLaneTileBytes / (lanes * Index(sizeof(T)))) : kChunk;
-    // Tiles request the next tile front to back as they go (rows that lie
-    // end to end only): rows [0, count + ahead_rows) may be requested.
+    // Requests ahead (see above): rows [0, last_row) may be requested.
     const Index last_row = stride == lanes && ahead_rows >= 0 && full > kBlock ? count + ahead_rows : 0;
-    chunked_lane_states<T>(count, lanes, [&tile, &full, &kBlock, &x, &stride, &pivot, &lanes, &last_row](
-                                             Index i, Index iters, T* mean, T* m2) {
+    chunked_lane_states<T>(count, lanes, [&tile, &full, &kBlock, &x, &stride, &pivot, &lanes, &last_row,
+                                          &request](Index i, Index iters, T* mean, T* m2) {
       for (Index t = 1; t <= iters; t += tile) {
         const Index rows = std::min<Index>(tile, iters - t + 1);
-        // The next tile: its bytes still in the input, from its first row.
-        const Index next = i + t - 1 + tile;
+        // The next tile (the next chunk's first, after a chunk's last): its
+        // bytes up to last_row, shared among the blocks by their lanes.
+        const Index next = i + t - 1 + rows;
         const Index next_bytes = last_row > next ? std::min(tile, last_row - next) * lanes * Index(sizeof(T)) : 0;
         for (Index c0 = 0; c0 < full; c0 += kBlock) {
-          const int np = static_cast<int>(std::min<Index>(kBlock, full - c0) / LF);
-          // This block's share of the next tile: `rows` steps of np packets.
-          const Index offset = c0 * rows * Index(sizeof(T));
-          if (next_bytes > offset) {
-            lane_chunk_requesting(np, x + c0, stride, i, t, rows, pivot + c0, mean + c0, m2 + c0,
-                                  reinterpret_cast<const char*>(x + next * stride) + offset,
-                                  std::min(rows, (next_bytes - offset) / (Index(np) * LF * Index(sizeof(T)))));
+          const Index width = std::min<Index>(kBlock, full - c0);
+          const int np = static_cast<int>(width / LF);
+          const Index lo = next_bytes * c0 / full;
+          const Index hi = next_bytes * (c0 + width) / full;
+          if (hi > lo) {
+            const TileAsk<Request> ask{reinterpret_cast<const char*>(x + next * stride) + lo, hi - lo,
+                                       (hi - lo + rows - 1) / rows, request};
+            lane_chunk_requesting(np, x + c0, stride, i, t, rows, pivot + c0, mean + c0, m2 + c0, ask);
           } else {
             lane_chunk_in_registers(np, x + c0, stride, i, t, rows, pivot + c0, mean + c0, m2 + c0);
           }
@@ -1708,7 +1738,9 @@ void lane_moments(const T* x, Index stride, Index count, Index lanes, const T* p
                   Welford<double>* out) {
   for (Index c = 0; c < lanes; ++c) out[c] = Welford<double>();
   // Inputs of kStreamingBytes or more: the tiles request the next one ahead
-  // (lane_chunks' ahead_rows).
+  // (lane_chunks' ahead_rows). LayerNorm's ColMajor forward, which takes
+  // its statistics here, measured 1.00-1.02x the time with them at
+  // 4096x1024, 16384x1024 and 4096x4096 (Zen 4, float, 1 thread).
   const bool large = count * lanes * static_cast<Index>(sizeof(T)) >= detail::kStreamingBytes;
   detail::lane_chunks(x, stride, count, lanes, pivot, [&](Index, Index rows, const T* mean, const T* m2) {
     for (Index c = 0; c < lanes; ++c)
