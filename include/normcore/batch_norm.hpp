@@ -422,10 +422,10 @@ class BatchNorm {
   // ahead_rows: `left`), on channels-last inputs of T read in place of at
   // least detail::kStreamingBytes; else none (-1). Measured on a Zen 4 guest
   // (AVX-512, float, 1 thread, the training forward, two builds
-  // alternating, 7 rounds, medians): 0.77x the time at 50176x256 (49 MB,
-  // the suite's 256x256x14x14 channels-last) and 0.72x at 16384x512 (32
-  // MB). With the requests on inputs the L3 holds, 1.04-1.06x at 4096x512
-  // and 3136x512 (8 and 6.1 MB), hence the gate.
+  // alternating, 5-7 rounds, medians): 0.75-0.77x the time at 50176x256
+  // (49 MB, the suite's 256x256x14x14 channels-last) and 0.72-0.79x at
+  // 16384x512 (32 MB). With the requests on inputs the L3 holds, 1.04-1.06x
+  // at 4096x512 and 3136x512 (8 and 6.1 MB), hence the gate.
   template <typename S>
   static Index rows_ahead(const View& v, Index left) {
     return std::is_same<S, T>::value &&

@@ -669,7 +669,6 @@ inline Index rows_ahead(bool streaming, Index group, Index left) {
   return streaming && group > 1 ? std::min(group, left) : 0;
 }
 
-
 /// Whether a row-wise backward over `rows` rows of n values stored as S
 /// (computed in T) streams: the gate of streaming_input on what it reads,
 /// x and dy together (so x alone of at least kStreamingBytes / 2). Its dx
@@ -1671,8 +1670,8 @@ void lane_chunks_in_memory(const T* x, Index stride, Index count, Index lanes, c
 /// the tile, then the next block the next few) ran at about half the speed
 /// of a plain read; front-to-back requests of the next tile bring it to
 /// that speed. Measured on a Zen 4 guest (AVX-512, float, 1 thread, two
-/// builds alternating, 7 rounds, medians): lane_moments 0.49x the time at
-/// 50176x256 (49 MB) and 0.47x at 16384x512 (32 MB). On inputs the L3
+/// builds alternating, 5-7 rounds, medians): lane_moments 0.47-0.51x the
+/// time at 50176x256 (49 MB), 16384x300 and 16384x512 (19-32 MB). On inputs the L3
 /// holds they cost time (a plain tiled read 1.07x at 4096x512), hence the
 /// callers' gate (lane_moments, BatchNorm's channel statistics: inputs of
 /// at least kStreamingBytes).
