@@ -427,7 +427,7 @@ class BatchNorm {
   // 16384x512 (32 MB). With the requests on inputs the L3 holds, 1.04-1.06x
   // at 4096x512 and 3136x512 (8 and 6.1 MB), hence the gate.
   template <typename S>
-  static Index rows_ahead(const View& v, Index left) {
+  static Index lane_rows_ahead(const View& v, Index left) {
     return std::is_same<S, T>::value &&
                    v.outer * v.C * static_cast<Index>(sizeof(T)) >= detail::kStreamingBytes
                ? left
@@ -476,7 +476,7 @@ class BatchNorm {
           Welford<double>* o = out + (k - k0) * C;
           detail::lane_chunks(rows, stride, m, C, pivot.data(), [&](Index, Index n, const T* mean, const T* m2) {
             for (Index c = 0; c < C; ++c) o[c] = lane_state(n, mean, m2, c);
-          }, rows_ahead<S>(v, std::min(v.outer, k1 * detail::kChunk) - r0 - m));
+          }, lane_rows_ahead<S>(v, std::min(v.outer, k1 * detail::kChunk) - r0 - m));
         }
       }, [&](const Welford<double>* chunk) {
         for (Index c = 0; c < C; ++c) w[static_cast<std::size_t>(c)].merge(chunk[c]);
@@ -495,7 +495,7 @@ class BatchNorm {
                                 [&](Index, Index n, const T* mean, const T* m2) {
                                   for (Index c = 0; c < wd; ++c)
                                     w[static_cast<std::size_t>(c0 + c)].merge(lane_state(n, mean, m2, c));
-                                }, rows_ahead<S>(v, v.outer - r0 - m));
+                                }, lane_rows_ahead<S>(v, v.outer - r0 - m));
           }
           return;
         }
