@@ -420,7 +420,7 @@ class BatchNorm {
   }
   // The rows past a chunk that detail::lane_chunks may request ahead (its
   // ahead_rows: `left`), on channels-last inputs of T read in place of at
-  // least detail::kStreamingBytes; else none (-1). Measured on a Zen 4 guest
+  // least detail::kStreamingBytes (detail::streaming_input); else none (-1). Measured on a Zen 4 guest
   // (AVX-512, float, 1 thread, the training forward, two builds
   // alternating, 5-7 rounds, medians): 0.75-0.77x the time at 50176x256
   // (49 MB, the suite's 256x256x14x14 channels-last) and 0.72-0.79x at
@@ -428,10 +428,7 @@ class BatchNorm {
   // at 4096x512 and 3136x512 (8 and 6.1 MB), hence the gate.
   template <typename S>
   static Index lane_rows_ahead(const View& v, Index left) {
-    return std::is_same<S, T>::value &&
-                   v.outer * v.C * static_cast<Index>(sizeof(T)) >= detail::kStreamingBytes
-               ? left
-               : -1;
+    return detail::streaming_input<S, T>(v.outer, v.C) ? left : -1;
   }
   // Lane c of a chunk's lane states (lane_chunks' flush) as a Welford state.
   static Welford<double> lane_state(Index rows, const T* mean, const T* m2, Index c) {

@@ -1526,12 +1526,16 @@ void with_register_packets(int np, F&& f) {
   }
 }
 
-/// lane_chunk_in_registers for np packets, 1 <= np <= kRegisterLanePackets.
-template <typename T>
-void lane_chunk_in_registers(int np, const T* x, Index stride, Index i0, Index first, Index iters,
-                             const T* pivot, T* mean, T* m2) {
+/// lane_chunk_in_registers for np packets, 1 <= np <= kRegisterLanePackets
+/// (Ahead: with requests, ask a TileAsk). Two sets of loops, so that the
+/// loop without requests (and its caller's code) stays as it was: with the
+/// requests' test in the one loop, lane_moments took about 1.05x the time
+/// at 4096x512 on a Zen 4 guest.
+template <bool Ahead = false, typename T, typename Ask = int>
+void lane_chunk_of(int np, const T* x, Index stride, Index i0, Index first, Index iters, const T* pivot, T* mean,
+                   T* m2, const Ask& ask = {}) {
   with_register_packets(np, [&](auto k) {
-    lane_chunk_in_registers<decltype(k)::value>(x, stride, i0, first, iters, pivot, mean, m2);
+    lane_chunk_in_registers<decltype(k)::value, Ahead>(x, stride, i0, first, iters, pivot, mean, m2, ask);
   });
 }
 
@@ -1561,18 +1565,6 @@ struct TileAsk {
     for (Index b = b0 + static_cast<Index>((64 - at % 64) % 64); b < b1; b += 64) request(from + b);
   }
 };
-
-/// lane_chunk_in_registers with requests (Ahead) for np packets. A function
-/// of its own, so that the loop without requests (and its caller's code)
-/// stays as it was: with the requests' test in the one loop, lane_moments
-/// took about 1.05x the time at 4096x512 on a Zen 4 guest.
-template <typename T, typename Request>
-void lane_chunk_requesting(int np, const T* x, Index stride, Index i0, Index first, Index iters, const T* pivot,
-                           T* mean, T* m2, const TileAsk<Request>& ask) {
-  with_register_packets(np, [&](auto k) {
-    lane_chunk_in_registers<decltype(k)::value, true>(x, stride, i0, first, iters, pivot, mean, m2, ask);
-  });
-}
 
 /// One Welford step of lanes [c0, c1) of a row, in scalars (inv = 1 / the
 /// step's count): the recurrence the packet paths run per lane.
@@ -1707,9 +1699,9 @@ void lane_chunks(const T* x, Index stride, Index count, Index lanes, const T* pi
           if (hi > lo) {
             const TileAsk<Request> ask{reinterpret_cast<const char*>(x + next * stride) + lo, hi - lo,
                                        (hi - lo + rows - 1) / rows, request};
-            lane_chunk_requesting(np, x + c0, stride, i, t, rows, pivot + c0, mean + c0, m2 + c0, ask);
+            lane_chunk_of<true>(np, x + c0, stride, i, t, rows, pivot + c0, mean + c0, m2 + c0, ask);
           } else {
-            lane_chunk_in_registers(np, x + c0, stride, i, t, rows, pivot + c0, mean + c0, m2 + c0);
+            lane_chunk_of(np, x + c0, stride, i, t, rows, pivot + c0, mean + c0, m2 + c0);
           }
         }
       }
@@ -1740,7 +1732,7 @@ void lane_moments(const T* x, Index stride, Index count, Index lanes, const T* p
   // (lane_chunks' ahead_rows). LayerNorm's ColMajor forward, which takes
   // its statistics here, measured 1.00-1.02x the time with them at
   // 4096x1024, 16384x1024 and 4096x4096 (Zen 4, float, 1 thread).
-  const bool large = count * lanes * static_cast<Index>(sizeof(T)) >= detail::kStreamingBytes;
+  const bool large = detail::streaming_input<T, T>(count, lanes);
   detail::lane_chunks(x, stride, count, lanes, pivot, [&](Index, Index rows, const T* mean, const T* m2) {
     for (Index c = 0; c < lanes; ++c)
       out[c].merge(Welford<double>(static_cast<double>(rows), static_cast<double>(mean[c]),
