@@ -776,6 +776,55 @@ TYPED_TEST(LayerNormTest, LargeInputBackwardSameBitsAsSmallCalls) {
   }
 }
 
+// A streaming backward (x and dy of at least kStreamingBytes) with dx
+// aligned takes its long rows of whole packets two at a time under the path
+// choices measured on Zen 4 (set 0; LayerNorm::pair_streaming_rows), one at
+// a time under the Intel ones (set 1): the same dx, dweight and dbias bits.
+// Only where dx can take streaming stores (x86 builds; elsewhere both calls
+// go one row at a time, and the test is skipped).
+// An odd row count, so that the last row of the last block goes alone.
+// (LargeInputBackwardSameBitsAsSmallCalls compares dx with calls the caches
+// hold.)
+TYPED_TEST(LayerNormTest, StreamingBackwardInPairsSameBitsAsOneRowAtATime) {
+  using T = TypeParam;
+  using CMap = Eigen::TensorMap<const Eigen::Tensor<T, 2, Eigen::RowMajor>>;
+  const Index n = 1024;
+  const Index rows = normcore::detail::kStreamingBytes / (2 * n * Index(sizeof(T))) + 3;
+  if (!normcore::detail::kStreamStores) GTEST_SKIP() << "no streaming stores in this build";
+  ASSERT_TRUE((normcore::detail::prefetch_next_row<T, T>(rows, n)));
+  ASSERT_EQ(rows % 2, 1);
+  LayerNorm<T> ln(LayerNormOptions({n}));
+  randomize_params(ln, 31);
+  const auto N = static_cast<std::size_t>(rows * n);
+  const auto xb = randn<T>(N, 41, 0.5, 2.0);
+  const auto dyb = randn<T>(N, 42);
+  CMap x(xb.data(), rows, n), dy(dyb.data(), rows, n);
+  Eigen::Tensor<T, 2, Eigen::RowMajor> dx[2];
+  Eigen::Tensor<T, 1> dw[2], db[2];
+  for (int tuning : {0, 1}) {
+    const nctest::IntelTuning paths(tuning);
+    dx[tuning].resize(rows, n);  // Eigen's allocation: aligned, so dx streams
+    ln.backward(x, dy, &dx[tuning], &dw[tuning], &db[tuning]);
+  }
+  EXPECT_TRUE(bit_equal(dx[0].data(), dx[1].data(), N)) << "dx";
+  ASSERT_EQ(dw[0].size(), n);
+  ASSERT_EQ(db[0].size(), n);
+  EXPECT_TRUE(bit_equal(dw[0].data(), dw[1].data(), static_cast<std::size_t>(n))) << "dweight";
+  EXPECT_TRUE(bit_equal(db[0].data(), db[1].data(), static_cast<std::size_t>(n))) << "dbias";
+  // And against the reference (double, two-pass), with tolerances of
+  // check_against_reference's form (offset terms dropped, rstd bounded by
+  // 1): the same bits as another path, and the right gradient.
+  const auto ref = normcore::reference::layer_norm_backward(xb.data(), dyb.data(), rows, n, ln.weight().data(),
+                                                            1e-5);
+  double gmax = 0;
+  for (std::size_t i = 0; i < N; ++i)
+    gmax = std::max(gmax, std::fabs(double(dyb[i]) * double(ln.weight()(static_cast<Index>(i) % n))));
+  const double rmax = 1.0;  // rstd of rows with standard deviation 2: about 0.5
+  EXPECT_LE(max_diff(dx[0].data(), ref.dx), tol_elem<T>(rmax * (gmax + 1.0), double(n))) << "dx";
+  EXPECT_LE(max_diff(dw[0].data(), ref.dweight), tol<T>(max_abs(ref.dweight) + 4.0 * 4, double(rows) + 8));
+  EXPECT_LE(max_diff(db[0].data(), ref.dbias), tol<T>(max_abs(ref.dbias) + 4, double(rows) + 8));
+}
+
 // Backward inputs over the L2, under the streaming gate: on Intel CPUs and
 // AMD Zen 5 dx with streaming stores (nctest::check_l2_backward), with both
 // sets of path choices. Rows of 1 KB (the shortest that stream) and 1024

@@ -1348,6 +1348,35 @@ class LayerNorm {
     }
   }
 
+  // Whether backward_rows takes the rows of a streaming backward (those
+  // that request the next row as they go: detail::prefetch_next_row) two at
+  // a time, as it takes rows the caches hold: the first passes of two rows,
+  // then one second pass over both, which loads and stores the block's
+  // dweight and dbias sums once for the two and requests the two rows after
+  // them. The same bits (each row's terms added in row order). Under the
+  // path choices measured on Zen 4 (not the Intel or the Zen 5 ones), for
+  // rows stored as T of at least kPairStreamingRowBytes in whole packets,
+  // with dx streamed (Stream: x86 builds, dx aligned and apart from x, dy
+  // and dh). Measured on a Zen 4 guest (AVX-512, 1 thread, both versions
+  // in one process, 15-21 alternating rounds, medians) against one row at
+  // a time: float 0.85-0.94x the time at 4096x1024, 0.87-0.90x at
+  // 4096x4096, 0.88x at 16384x4096, 0.79-0.80x at 2048x1024, 0.91x at
+  // 8192x2048, 0.93x at 4096x2048, 0.84x at 1024x16384, 0.87-0.92x at
+  // 2730x1536, 3200x1280 and 3900x1040; double 0.84x at 2048x4096, 0.78x at
+  // 1024x2048, 0.89-0.93x at 2048x1024, 4096x512 and 8192x768. Shorter rows
+  // lost (float 1.03-1.07x at 32768x512, 16384x768, 8192x768 and 6144x640),
+  // as did rows with a tail (1.02-1.09x at 4000x1000, 4096x1016 and
+  // 4096x1032; 0.93x at 2048x3000), and 2000x2000 was a tie (1.02x).
+  // RMSNorm's backward, in pairs the same way, lost as often as it gained
+  // (0.89-1.15x), and keeps one row at a time.
+  static constexpr Index kPairStreamingRowBytes = 4096;
+  template <bool Stream, typename S>
+  static bool pair_streaming_rows(Index n) {
+    constexpr int L = detail::simd<T>::L;
+    return Stream && std::is_same<S, T>::value && !detail::intel_tuned() && !detail::zen5_tuned() &&
+           n % L == 0 && n * static_cast<Index>(sizeof(T)) >= kPairStreamingRowBytes;
+  }
+
   // S is T, or a 16-bit type (T float) where detail::packet_io says the
   // build converts whole packets: each packet is widened as it is loaded and
   // dx rounded as it is stored, the same values and bits as the rows widened
@@ -1453,11 +1482,17 @@ class LayerNorm {
         p4[i] = pset1<Packet>(c[i].k4);
         pxs[i] = pset1<Packet>(c[i].xs);
       }
-      const bool next = R == 1 && ahead && r + 1 < rows;  // detail::prefetch_next_row
+      // detail::prefetch_next_row: the R rows after these, row i's lines
+      // requested as row i's are read.
       const bool l1 = into_l1;
+      bool next[R];
+      NORMCORE_UNROLL
+      for (int i = 0; i < R; ++i) next[i] = ahead && r + R + i < rows;
       Index j = 0;
       for (; j + L <= nl; j += L) {
-        if (next) detail::request_next_row<L>(xr[0] + nl, gr[0] + nl, j, l1);
+        NORMCORE_UNROLL
+        for (int i = 0; i < R; ++i)
+          if (next[i]) detail::request_next_row<L>(xr[i] + R * nl, gr[i] + R * nl, j, l1);
         Packet dyv[R], xh[R];
         NORMCORE_UNROLL
         for (int i = 0; i < R; ++i) {
@@ -1507,10 +1542,11 @@ class LayerNorm {
       if (full) return second_of(rows_c, std::true_type(), r, c);
       second_of(rows_c, std::false_type(), r, c);
     };
+    const bool pairs = !ahead || pair_streaming_rows<Stream, S>(n);
     for (Index r0 = 0; r0 < rows;) {
       const Index r1 = std::min(rows, r0 + (kRowBlock - acc.rows));
       for (Index r = r0; r < r1;) {
-        if (!ahead && r + 1 < r1) {  // rows in cache: two at a time
+        if (pairs && r + 1 < r1) {  // two at a time
           const detail::BackwardCoeffs<T> c[2] = {coeffs(r), coeffs(r + 1)};
           second(std::integral_constant<int, 2>(), r, c);
           r += 2;

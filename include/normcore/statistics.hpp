@@ -673,8 +673,9 @@ inline Index rows_ahead(bool streaming, Index group, Index left) {
 /// (computed in T) streams: the gate of streaming_input on what it reads,
 /// x and dy together (so x alone of at least kStreamingBytes / 2). Its dx
 /// then takes streaming stores where it can (stream_gradient) and its long
-/// rows request the next row (prefetch_next_row), one row at a time (the
-/// second pass takes two rows side by side only on inputs the caches hold).
+/// rows request the next row (prefetch_next_row): RMSNorm's one row at a
+/// time, LayerNorm's in pairs where its dx streams and its rows are long
+/// enough (LayerNorm::pair_streaming_rows), one at a time otherwise.
 /// The call touches x, dy and dx, 1.5x what a forward of the same input
 /// touches; with x at 6-12 MB (18-36 MB in all, against a 32 MB L3) dx
 /// written through the cache evicted the x and dy lines that the next call,
