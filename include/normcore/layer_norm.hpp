@@ -1355,11 +1355,11 @@ class LayerNorm {
   // dweight and dbias sums once for the two and requests the two rows after
   // them. The same bits (each row's terms added in row order). Under the
   // path choices measured on Zen 4 (not the Intel or the Zen 5 ones), for
-  // rows stored as T of at least kPairStreamingRowBytes in whole packets,
-  // with dx streamed (Stream: x86 builds, dx aligned and apart from x, dy
-  // and dh). Measured on a Zen 4 guest (AVX-512, 1 thread, both versions
-  // in one process, 15-21 alternating rounds, medians) against one row at
-  // a time: float 0.85-0.94x the time at 4096x1024, 0.87-0.90x at
+  // rows of at least kPairStreamingRowBytes with dx streamed (Stream:
+  // detail::stream_gradient, so x86 builds, rows stored as T in whole
+  // packets, dx aligned and apart from x, dy and dh). Measured on a Zen 4
+  // guest (AVX-512, 1 thread, both versions in one process, 15-21
+  // alternating rounds, medians) against one row at a time: float 0.85-0.94x the time at 4096x1024, 0.87-0.90x at
   // 4096x4096, 0.88x at 16384x4096, 0.79-0.80x at 2048x1024, 0.91x at
   // 8192x2048, 0.93x at 4096x2048, 0.84x at 1024x16384, 0.87-0.92x at
   // 2730x1536, 3200x1280 and 3900x1040; double 0.84x at 2048x4096, 0.78x at
@@ -1370,11 +1370,10 @@ class LayerNorm {
   // RMSNorm's backward, in pairs the same way, lost as often as it gained
   // (0.89-1.15x), and keeps one row at a time.
   static constexpr Index kPairStreamingRowBytes = 4096;
-  template <bool Stream, typename S>
+  template <bool Stream>
   static bool pair_streaming_rows(Index n) {
-    constexpr int L = detail::simd<T>::L;
-    return Stream && std::is_same<S, T>::value && !detail::intel_tuned() && !detail::zen5_tuned() &&
-           n % L == 0 && n * static_cast<Index>(sizeof(T)) >= kPairStreamingRowBytes;
+    return Stream && !detail::intel_tuned() && !detail::zen5_tuned() &&
+           n * static_cast<Index>(sizeof(T)) >= kPairStreamingRowBytes;
   }
 
   // S is T, or a 16-bit type (T float) where detail::packet_io says the
@@ -1542,7 +1541,7 @@ class LayerNorm {
       if (full) return second_of(rows_c, std::true_type(), r, c);
       second_of(rows_c, std::false_type(), r, c);
     };
-    const bool pairs = !ahead || pair_streaming_rows<Stream, S>(n);
+    const bool pairs = !ahead || pair_streaming_rows<Stream>(n);
     for (Index r0 = 0; r0 < rows;) {
       const Index r1 = std::min(rows, r0 + (kRowBlock - acc.rows));
       for (Index r = r0; r < r1;) {
