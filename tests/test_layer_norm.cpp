@@ -672,6 +672,80 @@ TYPED_TEST(LayerNormTest, MidSizeInputForwardSameBitsAsSmallCalls) {
   }
 }
 
+// Inputs the caches hold, rows of 768 to 1536 values: under the Zen 4 path
+// choices (AVX-512 builds, float, weight and bias) the forward takes each
+// row's moments while the row before is normalized
+// (LayerNorm::cached_interleave), except where the output lies so that
+// those loads would wait on its stores (4K aliasing): there it keeps the
+// groups. Outputs at several distances from the input, both sides of that
+// check, and in place, under all four sets of path choices, with weight and
+// bias, weight only and neither, and one row scaled past float's range for
+// its M2 (the exact path): every row's y, mean and rstd are those of the row
+// alone bit for bit, y without the statistics saved is the same, and y is
+// the reference's.
+TYPED_TEST(LayerNormTest, CachedForwardSameBitsWhereverTheOutputLies) {
+  using T = TypeParam;
+  const Index rows = 13;
+  const Index page = 4096 / static_cast<Index>(sizeof(T));  // values in 4 KB
+  const Index line = 64 / static_cast<Index>(sizeof(T));    // values in 64 bytes
+  // The first value of v at a 4 KB boundary.
+  const auto on_page = [page](std::vector<T>& v) {
+    const auto off = static_cast<Index>(reinterpret_cast<std::uintptr_t>(v.data()) % 4096 / sizeof(T));
+    return v.data() + (page - off) % page;
+  };
+  for (int tuning : {0, 1, 2, 3}) {
+    const nctest::IntelTuning paths(tuning);
+    for (const Index n : {Index(768), Index(1024), Index(1536)}) {
+      for (int affine : {2, 1, 0}) {
+        LayerNorm<T> ln(LayerNormOptions({n}).elementwise_affine(affine > 0).bias(affine > 1));
+        set_random_affine(ln, n, affine, 31);
+        auto xs = randn<T>(static_cast<std::size_t>(rows * n), 37, 0.5, 2.0);
+        for (Index j = 0; j < n; ++j) xs[static_cast<std::size_t>(5 * n + j)] *= T(1e18);  // M2 past float's range
+        std::vector<T> xbuf(static_cast<std::size_t>(rows * n + page));
+        T* const xp = on_page(xbuf);
+        std::copy(xs.begin(), xs.end(), xp);
+        Eigen::TensorMap<const Eigen::Tensor<T, 2, Eigen::RowMajor>> x(xp, rows, n);
+        const auto want = normcore::reference::layer_norm_forward(xp, rows, n, affine > 0 ? ln.weight().data() : nullptr,
+                                                                  affine > 1 ? ln.bias().data() : nullptr, 1e-5);
+        // Each row alone, and that row's share of the reference's magnitude.
+        std::vector<T> alone(static_cast<std::size_t>(rows * n)), mean1(static_cast<std::size_t>(rows)),
+            rstd1(static_cast<std::size_t>(rows));
+        for (Index r = 0; r < rows; ++r) {
+          Eigen::TensorMap<const Eigen::Tensor<T, 2, Eigen::RowMajor>> x1(xp + r * n, 1, n);
+          Eigen::TensorMap<Eigen::Tensor<T, 2, Eigen::RowMajor>> y1(alone.data() + r * n, 1, n);
+          NormStats<T> s1;
+          ln.forward(x1, y1, s1);
+          mean1[static_cast<std::size_t>(r)] = s1.mean(0);
+          rstd1[static_cast<std::size_t>(r)] = s1.rstd(0);
+        }
+        EXPECT_LE(max_diff(alone.data(), want), tol_elem<T>(max_abs(want) + 1.0, double(n)));
+        std::vector<T> ybuf(static_cast<std::size_t>(rows * n + 3 * page));
+        T* const ybase = on_page(ybuf);
+        // y at `at` values past a 4 KB boundary (-1: in place, over a copy of x).
+        for (const Index at : {Index(0), line, 2 * line, 5 * line, page - n % page, page - n % page + line,
+                               page - n % page + 2 * line, page - n % page - line, Index(-1)}) {
+          SCOPED_TRACE(::testing::Message() << "tuning " << tuning << " n=" << n << " affine=" << affine
+                                            << " y at " << at);
+          T* const yp = at < 0 ? ybase : ybase + at;
+          if (at < 0) std::copy(xs.begin(), xs.end(), yp);
+          const T* const xin = at < 0 ? yp : xp;
+          Eigen::TensorMap<const Eigen::Tensor<T, 2, Eigen::RowMajor>> xi(xin, rows, n);
+          Eigen::TensorMap<Eigen::Tensor<T, 2, Eigen::RowMajor>> y(yp, rows, n);
+          NormStats<T> st;
+          ln.forward(xi, y, st);
+          ASSERT_EQ(std::memcmp(alone.data(), yp, static_cast<std::size_t>(rows * n) * sizeof(T)), 0);
+          ASSERT_EQ(std::memcmp(mean1.data(), st.mean.data(), static_cast<std::size_t>(rows) * sizeof(T)), 0);
+          ASSERT_EQ(std::memcmp(rstd1.data(), st.rstd.data(), static_cast<std::size_t>(rows) * sizeof(T)), 0);
+          if (at < 0) std::copy(xs.begin(), xs.end(), yp);
+          else std::fill(yp, yp + rows * n, T(7));
+          ln.forward(xi, y);  // without the statistics
+          ASSERT_EQ(std::memcmp(alone.data(), yp, static_cast<std::size_t>(rows * n) * sizeof(T)), 0);
+        }
+      }
+    }
+  }
+}
+
 // Short rows (up to four packets with 32 vector registers, two otherwise)
 // take a backward kernel that keeps gamma and the block's dweight/dbias sums
 // in registers and stores a row's last packet whole (its lanes before the

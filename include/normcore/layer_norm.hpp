@@ -408,7 +408,9 @@ class LayerNorm {
   // streaming stores, on streaming ones only rows shorter than four
   // packets. One long row alone (not streaming) skips the group's arrays:
   // forward_long_rows with a count of one, its coefficients and then its
-  // normalize.
+  // normalize. Under the Zen 4 path choices, long float rows the caches
+  // hold take forward_long_rows too, where its loads do not alias its
+  // stores (cached_interleave).
   // The longest rows whose normalize pass requests the next row
   // (detail::forward_requests): on Zen 4, with gamma and beta, longer rows
   // lost (rows of 4096 and 8192 floats: 1.12-1.21x the time). On an Intel
@@ -533,7 +535,8 @@ class LayerNorm {
     const bool stream = stream_out && detail::can_stream_rows(x, out, n, count);
     const bool request = detail::forward_requests(streaming, n, sizeof(T), request_max_row_bytes(g, b));
     const bool into_l1 = request && g && b && detail::zen5_tuned();
-    if (streaming && group == 1 && interleave_long_rows(n, request, g, b)) {
+    if ((streaming && group == 1 && interleave_long_rows(n, request, g, b)) ||
+        (!streaming && cached_interleave(x, out, n, count, g, b))) {
       if (stream) {
         forward_long_rows<true>(x, out, n, count, mean, rstd, g, b);
       } else {
@@ -651,8 +654,10 @@ class LayerNorm {
     }
   }
 
-  // forward_rows' long rows of a streaming input (one-row groups), and one
-  // long row alone on any input (count 1: no interleaving), one at a time:
+  // forward_rows' long rows of a streaming input (one-row groups), long
+  // float rows the caches hold under the Zen 4 path choices
+  // (cached_interleave), and one long row alone on any input (count 1: no
+  // interleaving), one at a time:
   // the moments of row r + 1 are taken in the loop that normalizes
   // row r (detail::moments_normalizing), so that reads from memory stay in
   // flight while the row is written. The same bits as a row at a time.
@@ -669,6 +674,46 @@ class LayerNorm {
   static bool interleave_long_rows(Index n, bool request, const T* g, const T* b) {
     return detail::kWideRegisterFile && !request &&
            !(g && b && n * static_cast<Index>(sizeof(T)) > kRequestMaxRowBytes);
+  }
+  // Under the other CPUs' path choices (detail::path_choices() 0, measured
+  // on Zen 4), in AVX-512 builds, inputs the caches hold (below the
+  // streaming gates: no requests, no streaming stores) of two or more float
+  // rows of at least kCachedInterleaveRowBytes, with weight and bias, go
+  // through forward_long_rows
+  // too, each row's moments taken while the row before it is normalized,
+  // unless that loop's loads of row r + 1 would wait on its stores to row r
+  // (detail::next_row_loads_alias_stores): those keep the groups. The same
+  // bits either way. Measured on a Zen 4 guest (AVX-512, float, both
+  // choices alternating in one process on the same buffers, 11 rounds,
+  // medians), against the groups, with weight and bias: 0.94-0.98x the
+  // time at 512x768, 0.95-0.98x at 64x768, 0.96-0.98x at 8x768, 0.90-0.92x
+  // at 100x1536, 0.98x at 256x1024 and 0.96x at 300x1000 where they do not
+  // alias; rows of 1024 floats whose loads alias the stores took 1.03-1.10x.
+  // Shorter rows lost or tied (1.04x at 1024x512, 1.01-1.04x at 512x576,
+  // 1.00-1.03x at 512x640); rows of 704 floats gained less (0.95-0.99x) and
+  // stay out; rows of 2048 floats tied (1.00x). Without bias, or without
+  // weight and bias, rows of 768 floats took 0.96-1.03x, so those keep the
+  // groups. forward_add's blocks (h normalized into y) took 0.93-0.98x at
+  // 64x768, 512x768 and 100x1536, 0.98-1.00x at 4096x768 and 4096x1024 (a
+  // wide spread). Rows over 8 KB keep the groups (interleave_long_rows).
+  // The Intel set already
+  // takes forward_long_rows on such inputs (intel_streaming); the Zen 5 and
+  // Zen 3 sets were not measured.
+  static constexpr Index kCachedInterleaveRowBytes = 3072;
+  static bool cached_interleave(const T* x, const T* out, Index n, Index count, const T* g, const T* b) {
+#if defined(EIGEN_VECTORIZE_AVX512)
+    return streaming_kernels_below_gate<T>(count) && g && b && n * static_cast<Index>(sizeof(T)) >= kCachedInterleaveRowBytes &&
+           detail::path_choices() == 0 && interleave_long_rows(n, false, g, b) &&
+           !detail::next_row_loads_alias_stores(x, out, n);
+#else
+    (void)x;
+    (void)out;
+    (void)n;
+    (void)count;
+    (void)g;
+    (void)b;
+    return false;
+#endif
   }
   template <bool Stream>
   void forward_long_rows(const T* x, T* out, Index n, Index count, T* mean, T* rstd, const T* g,
