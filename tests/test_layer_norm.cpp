@@ -678,7 +678,8 @@ TYPED_TEST(LayerNormTest, MidSizeInputForwardSameBitsAsSmallCalls) {
 // (LayerNorm::cached_interleave), except where the output lies so that
 // those loads would wait on its stores (4K aliasing): there it keeps the
 // groups. Outputs at several distances from the input, both sides of that
-// check, and in place, under all four sets of path choices, with weight and
+// check for every length, and in place, under all four sets of path
+// choices, with weight and
 // bias, weight only and neither, and one row scaled past float's range for
 // its M2 (the exact path): every row's y, mean and rstd are those of the row
 // alone bit for bit, y without the statistics saved is the same, and y is
@@ -689,9 +690,10 @@ TYPED_TEST(LayerNormTest, CachedForwardSameBitsWhereverTheOutputLies) {
   const Index page = 4096 / static_cast<Index>(sizeof(T));  // values in 4 KB
   const Index line = 64 / static_cast<Index>(sizeof(T));    // values in 64 bytes
   // The first value of v at a 4 KB boundary.
-  const auto on_page = [page](std::vector<T>& v) {
+  const auto on_page = [](std::vector<T>& v) {
+    const Index values = 4096 / static_cast<Index>(sizeof(T));
     const auto off = static_cast<Index>(reinterpret_cast<std::uintptr_t>(v.data()) % 4096 / sizeof(T));
-    return v.data() + (page - off) % page;
+    return v.data() + (values - off) % values;
   };
   for (int tuning : {0, 1, 2, 3}) {
     const nctest::IntelTuning paths(tuning);
@@ -719,13 +721,21 @@ TYPED_TEST(LayerNormTest, CachedForwardSameBitsWhereverTheOutputLies) {
           rstd1[static_cast<std::size_t>(r)] = s1.rstd(0);
         }
         EXPECT_LE(max_diff(alone.data(), want), tol_elem<T>(max_abs(want) + 1.0, double(n)));
-        std::vector<T> ybuf(static_cast<std::size_t>(rows * n + 3 * page));
+        std::vector<T> ybuf(static_cast<std::size_t>(rows * n + 4 * page));
         T* const ybase = on_page(ybuf);
-        // y at `at` values past a 4 KB boundary (-1: in place, over a copy of x).
-        for (const Index at : {Index(0), line, 2 * line, 5 * line, page - n % page, page - n % page + line,
-                               page - n % page + 2 * line, page - n % page - line, Index(-1)}) {
+        // y at `at` values past a 4 KB boundary (-1: in place, over a copy of
+        // x). With x on one too, y at n modulo 4 KB (`next`) is the next row's
+        // place: there and a line after it the loads alias the stores, a line
+        // before it and two lines after it they do not.
+        const Index next = page + n % page;
+        for (const Index at : {Index(0), line, 2 * line, 5 * line, next, next + line, next + 2 * line, next - line,
+                               Index(-1)}) {
           SCOPED_TRACE(::testing::Message() << "tuning " << tuning << " n=" << n << " affine=" << affine
                                             << " y at " << at);
+          if (at >= 0) {  // the places above, as the check sees them
+            const Index ahead = ((at - n) % page + page) % page;  // y past the next row, in values mod 4 KB
+            EXPECT_EQ(normcore::detail::next_row_loads_alias_stores(xp, ybase + at, n), ahead == 0 || ahead == line);
+          }
           T* const yp = at < 0 ? ybase : ybase + at;
           if (at < 0) std::copy(xs.begin(), xs.end(), yp);
           const T* const xin = at < 0 ? yp : xp;

@@ -688,17 +688,18 @@ class LayerNorm {
   // medians), against the groups, with weight and bias: 0.94-0.98x the
   // time at 512x768, 0.95-0.98x at 64x768, 0.96-0.98x at 8x768, 0.90-0.92x
   // at 100x1536, 0.98x at 256x1024 and 0.96x at 300x1000 where they do not
-  // alias; rows of 1024 floats whose loads alias the stores took 1.03-1.10x.
-  // Shorter rows lost or tied (1.04x at 1024x512, 1.01-1.04x at 512x576,
-  // 1.00-1.03x at 512x640); rows of 704 floats gained less (0.95-0.99x) and
-  // stay out; rows of 2048 floats tied (1.00x). Without bias, or without
-  // weight and bias, rows of 768 floats took 0.96-1.03x, so those keep the
-  // groups. forward_add's blocks (h normalized into y) took 0.93-0.98x at
-  // 64x768, 512x768 and 100x1536, 0.98-1.00x at 4096x768 and 4096x1024 (a
-  // wide spread). Rows over 8 KB keep the groups (interleave_long_rows).
-  // The Intel set already
-  // takes forward_long_rows on such inputs (intel_streaming); the Zen 5 and
-  // Zen 3 sets were not measured.
+  // alias; where they alias (output and next row on the same 4 KB offset)
+  // 1.13-1.21x. Rows of 2048 floats (8 KB) tied (1.00x). Shorter rows lost
+  // or tied (1.04x at 1024x512, 1.01-1.04x at 512x576, 1.00-1.03x at
+  // 512x640), and rows of 704 floats gained no more than rows of 768
+  // (0.95-0.99x), so the gate starts at 768. Without bias, or without
+  // weight and bias: 0.93-0.98x at 512x768 and 100x1536 but 1.01-1.03x at
+  // 64x768, so those keep the groups. forward_add's blocks (h normalized
+  // into y) took 0.93-0.98x at 64x768, 512x768 and 100x1536, 1.00x at
+  // 4096x768 and 0.98x (a spread of 0.93-1.12x) at 4096x1024. Rows over
+  // 8 KB keep the groups (interleave_long_rows). The Intel set already
+  // takes the large-input paths on such inputs (intel_streaming); the Zen 5
+  // and Zen 3 sets were not measured.
   static constexpr Index kCachedInterleaveRowBytes = 3072;
   static bool cached_interleave(const T* x, const T* out, Index n, Index count, const T* g, const T* b) {
 #if defined(EIGEN_VECTORIZE_AVX512)

@@ -68,9 +68,10 @@ bool can_stream_rows(const T* p, Index n) {
 /// distance from in + n to out, the store to out[j] meets the load of
 /// in[n + j] (issued in the same step) where |d| < 64 bytes modulo 4 KB,
 /// and that of the next packet where 0 < d < 128. Measured on a Zen 4 guest
-/// (LayerNorm's forward_long_rows on rows the caches hold, rows of 1024
-/// floats): d of 0 or 64 bytes took 1.03-1.10x the time of the row-by-row
-/// groups, d of 128 bytes or more 0.91-0.98x.
+/// (LayerNorm's forward_long_rows on float rows the caches hold, against the
+/// groups it replaces there, this check left out): d of 0 took 1.13-1.21x
+/// the time at 256x1024, 512x768 and 100x1536, d of 64 bytes 0.98-1.08x, d
+/// of -64 bytes 0.93-0.96x and d of 128 bytes 0.98x.
 template <typename T>
 bool next_row_loads_alias_stores(const T* in, const T* out, Index n) {
   const std::uintptr_t d = reinterpret_cast<std::uintptr_t>(out) - reinterpret_cast<std::uintptr_t>(in + n);
