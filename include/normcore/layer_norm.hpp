@@ -679,9 +679,9 @@ class LayerNorm {
   // on Zen 4), in AVX-512 builds, inputs the caches hold (below the
   // streaming gates: no requests, no streaming stores) of two or more float
   // rows of at least kCachedInterleaveRowBytes, with weight and bias, go
-  // through forward_long_rows
-  // too, each row's moments taken while the row before it is normalized,
-  // unless that loop's loads of row r + 1 would wait on its stores to row r
+  // through forward_long_rows too, each row's moments taken while the row
+  // before it is normalized, unless that loop's loads of row r + 1 would
+  // wait on its stores to row r
   // (detail::next_row_loads_alias_stores): those keep the groups. The same
   // bits either way. Measured on a Zen 4 guest (AVX-512, float, both
   // choices alternating in one process on the same buffers, 11 rounds,
@@ -703,9 +703,9 @@ class LayerNorm {
   static constexpr Index kCachedInterleaveRowBytes = 3072;
   static bool cached_interleave(const T* x, const T* out, Index n, Index count, const T* g, const T* b) {
 #if defined(EIGEN_VECTORIZE_AVX512)
-    return streaming_kernels_below_gate<T>(count) && g && b && n * static_cast<Index>(sizeof(T)) >= kCachedInterleaveRowBytes &&
-           detail::path_choices() == 0 && interleave_long_rows(n, false, g, b) &&
-           !detail::next_row_loads_alias_stores(x, out, n);
+    return streaming_kernels_below_gate<T>(count) && g && b &&
+           n * static_cast<Index>(sizeof(T)) >= kCachedInterleaveRowBytes && detail::path_choices() == 0 &&
+           interleave_long_rows(n, false, g, b) && !detail::next_row_loads_alias_stores(x, out, n);
 #else
     (void)x;
     (void)out;
