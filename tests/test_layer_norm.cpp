@@ -687,13 +687,12 @@ TYPED_TEST(LayerNormTest, MidSizeInputForwardSameBitsAsSmallCalls) {
 TYPED_TEST(LayerNormTest, CachedForwardSameBitsWhereverTheOutputLies) {
   using T = TypeParam;
   const Index rows = 13;
-  const Index page = 4096 / static_cast<Index>(sizeof(T));  // values in 4 KB
-  const Index line = 64 / static_cast<Index>(sizeof(T));    // values in 64 bytes
+  constexpr Index page = 4096 / static_cast<Index>(sizeof(T));  // values in 4 KB
+  const Index line = 64 / static_cast<Index>(sizeof(T));        // values in 64 bytes
   // The first value of v at a 4 KB boundary.
   const auto on_page = [](std::vector<T>& v) {
-    const Index values = 4096 / static_cast<Index>(sizeof(T));
     const auto off = static_cast<Index>(reinterpret_cast<std::uintptr_t>(v.data()) % 4096 / sizeof(T));
-    return v.data() + (values - off) % values;
+    return v.data() + (page - off) % page;
   };
   for (int tuning : {0, 1, 2, 3}) {
     const nctest::IntelTuning paths(tuning);

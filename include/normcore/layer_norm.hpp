@@ -471,12 +471,19 @@ class LayerNorm {
   // RMSNorm's forward gained less (0.87-0.99x) and is left alone.
   template <typename S>
   static bool mid_streaming(Index rows, Index n) {
+    return zen4_kernels_below_gate<S>(rows) && n >= detail::kShortMomentsValues<T> &&
+           rows * n * static_cast<Index>(sizeof(T)) >= detail::kStreamingBytes / 2;
+  }
+  // What the Zen 4 choices below the streaming gate (mid_streaming,
+  // cached_interleave) add to streaming_kernels_below_gate: an AVX-512 build
+  // (where they were measured; not on Arm) and the other CPUs' path choices
+  // (detail::path_choices() 0).
+  template <typename S>
+  static bool zen4_kernels_below_gate(Index rows) {
 #if defined(EIGEN_VECTORIZE_AVX512)
-    return streaming_kernels_below_gate<S>(rows) && n >= detail::kShortMomentsValues<T> &&
-           rows * n * static_cast<Index>(sizeof(T)) >= detail::kStreamingBytes / 2 && detail::path_choices() == 0;
+    return streaming_kernels_below_gate<S>(rows) && detail::path_choices() == 0;
 #else
     (void)rows;
-    (void)n;
     return false;
 #endif
   }
@@ -702,19 +709,9 @@ class LayerNorm {
   // and Zen 3 sets were not measured.
   static constexpr Index kCachedInterleaveRowBytes = 3072;
   static bool cached_interleave(const T* x, const T* out, Index n, Index count, const T* g, const T* b) {
-#if defined(EIGEN_VECTORIZE_AVX512)
-    return streaming_kernels_below_gate<T>(count) && g && b &&
-           n * static_cast<Index>(sizeof(T)) >= kCachedInterleaveRowBytes && detail::path_choices() == 0 &&
-           interleave_long_rows(n, false, g, b) && !detail::next_row_loads_alias_stores(x, out, n);
-#else
-    (void)x;
-    (void)out;
-    (void)n;
-    (void)count;
-    (void)g;
-    (void)b;
-    return false;
-#endif
+    return zen4_kernels_below_gate<T>(count) && g && b &&
+           n * static_cast<Index>(sizeof(T)) >= kCachedInterleaveRowBytes && interleave_long_rows(n, false, g, b) &&
+           !detail::next_row_loads_alias_stores(x, out, n);
   }
   template <bool Stream>
   void forward_long_rows(const T* x, T* out, Index n, Index count, T* mean, T* rstd, const T* g,
